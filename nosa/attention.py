@@ -1,0 +1,246 @@
+"""NOSA attention, the reference implementation (pure PyTorch, any device, autograd).
+
+Layout (one sequence, token-major as in SGLang): q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv];
+the n query rows are the last n tokens of the L-token context (n == L for a plain prefill, n == 1
+for decode). G = Hq // Hkv query heads share one KV head and one selection.
+
+Two paths, one selection (nosa.select):
+- ``nosa_prefill``: token-level queries; every row gets its own selection from the blocks up to
+  its position (causal inside the current block). Used for training and prefill.
+- ``NosaDecodeState``: one query per step with incremental state (compressed keys, eviction scores,
+  previous selection); memory linear in the context, nothing of size L x L.
+Rows whose context has at most ``dense_len`` tokens attend densely (plain causal softmax, no
+eviction weighting), so short prompts behave exactly like the dense model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nosa.compress import compress_windows, pool_to_blocks
+from nosa.config import NosaConfig
+from nosa.eviction import block_eviction_scores, block_means
+from nosa.select import blocks_entering, query_block_scores, select_blocks, selection_mask
+
+NEG_INF = float("-inf")
+
+
+def nosa_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cis: torch.Tensor,
+    cfg: NosaConfig,
+    scale: float,
+    row_chunk: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention for the last n tokens of a context.
+
+    q: [n, Hq, D]; k, v: [L, Hkv, D]; cis: [L, Hkv] (eviction-head scores, differentiable).
+    Returns (out [n, Hq, D], selection [n, Hkv, K] long, -1 padded). Rows are processed
+    ``row_chunk`` at a time so that memory is O(row_chunk * L), not O(n * L) per step.
+    """
+    n, hq, d = q.shape
+    length, hkv, _ = k.shape
+    if n > length:
+        raise ValueError(f"nosa_prefill: {n} query rows but only {length} key tokens")
+    if hq % hkv:
+        raise ValueError(f"nosa_prefill: Hq={hq} is not a multiple of Hkv={hkv}")
+    num_blocks = cfg.num_blocks(length)
+    with torch.no_grad():
+        compressed_k = compress_windows(k.detach(), cfg)  # [C, Hkv, D]
+        evict = block_eviction_scores(cis, cfg, num_blocks)[None]  # [1, Hkv, NB, 2]
+    outs, sels = [], []
+    for start in range(0, n, row_chunk):
+        stop = min(start + row_chunk, n)
+        positions = torch.arange(length - n + start, length - n + stop, device=q.device)
+        end = int(positions[-1]) + 1  # keys beyond the chunk's last row are never visible
+        with torch.no_grad():
+            qs = query_block_scores(q[start:stop].detach(), compressed_k, positions, num_blocks, cfg, scale)
+            sel = select_blocks(qs, evict, positions, cfg)
+        bias = _token_bias(sel, positions, cis[:end], cfg)
+        outs.append(_attend(q[start:stop], k[:end], v[:end], bias, scale))
+        sels.append(sel)
+    return torch.cat(outs), torch.cat(sels)
+
+
+def nosa_prefill_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cis: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cfg: NosaConfig,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``nosa_prefill`` over packed sequences: q [T, Hq, D], k/v [T, Hkv, D], cis [T, Hkv],
+    cu_seqlens [B + 1] (offsets of each sequence, as in flash-attn varlen). Sequences never see
+    each other. Returns (out [T, Hq, D], selection [T, Hkv, K])."""
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b > a for a, b in zip(bounds[1:], bounds)):
+        raise ValueError(f"cu_seqlens must rise from 0 to T={q.shape[0]}, got {bounds}")
+    outs, sels = [], []
+    for lo, hi in zip(bounds, bounds[1:]):
+        if hi == lo:
+            continue
+        out, sel = nosa_prefill(q[lo:hi], k[lo:hi], v[lo:hi], cis[lo:hi], cfg, scale)
+        outs.append(out)
+        sels.append(sel)
+    return torch.cat(outs), torch.cat(sels)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal dense attention for the last n tokens (the dense_len path and a test yardstick).
+    q [n, Hq, D], k/v [L, Hkv, D] -> [n, Hq, D]."""
+    n, length = q.shape[0], k.shape[0]
+    positions = torch.arange(length - n, length, device=q.device)
+    causal = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
+    bias = torch.zeros(n, k.shape[1], length, device=q.device).masked_fill(~causal[:, None, :], NEG_INF)
+    return _attend(q, k, v, bias, scale)
+
+
+class NosaDecodeState:
+    """Incremental NOSA state of one sequence in one layer.
+
+    Holds what the decode path needs beyond the KV itself: compressed keys [C, Hkv, D], token
+    eviction scores cis [L, Hkv], static block eviction scores [Hkv, NB], and the previous
+    selection [Hkv, K]. Everything grows linearly with the context (amortised doubling buffers).
+    The KV itself stays wherever the caller keeps it (HF cache, SGLang pool, host memory).
+    """
+
+    def __init__(self, cfg: NosaConfig, num_kv_heads: int, head_dim: int, device=None):
+        self.cfg = cfg
+        self.length = 0
+        self._ck = _Growable((num_kv_heads, head_dim), torch.float32, device)
+        self._cis = _Growable((num_kv_heads,), torch.float32, device)
+        self._evict = _Growable((num_kv_heads,), torch.float32, device, fill=NEG_INF)  # [NB, Hkv]
+        self.selection: torch.Tensor | None = None  # [Hkv, K]
+        self.entering: torch.Tensor | None = None  # [Hkv] blocks new in the last selection
+
+    @property
+    def num_windows(self) -> int:
+        return self._ck.size
+
+    def append(self, k_all: torch.Tensor, cis_new: torch.Tensor) -> None:
+        """Account for m new tokens. k_all: [L, Hkv, D], the sequence's keys including the new ones
+        (only the last compress_kernel + m rows are read); cis_new: [m, Hkv]."""
+        cfg = self.cfg
+        new_length = self.length + cis_new.shape[0]
+        if k_all.shape[0] != new_length:
+            raise ValueError(
+                f"NosaDecodeState.append: expected keys for {new_length} tokens, got {k_all.shape[0]}"
+            )
+        self._cis.extend(cis_new.detach().float())
+        first, total = self.num_windows, cfg.num_compressed(new_length)
+        if total > first:
+            self._ck.extend(compress_windows(k_all.detach().float(), cfg, first, total - first))
+            window_cis = compress_windows(self._cis.view(), cfg, first, total - first)  # [c, Hkv]
+            num_blocks = cfg.num_blocks(new_length)
+            self._evict.grow_to(num_blocks)
+            pooled = pool_to_blocks(window_cis.transpose(0, 1), num_blocks, cfg, first_window=first)
+            evict = self._evict.view()
+            evict.copy_(torch.maximum(evict, pooled.transpose(0, 1)))
+        self.length = new_length
+
+    def select(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Selection for the query of the last token. q: [Hq, D] -> [Hkv, K]."""
+        cfg = self.cfg
+        num_blocks = cfg.num_blocks(self.length)
+        positions = torch.tensor([self.length - 1], device=q.device)
+        qs = query_block_scores(q[None].detach(), self._ck.view(), positions, num_blocks, cfg, scale)
+        pooled = self._evict.view()[:num_blocks].transpose(0, 1)  # [Hkv, <=NB]
+        if pooled.shape[-1] < num_blocks:  # blocks without a complete window yet
+            pad = pooled.new_full((pooled.shape[0], num_blocks - pooled.shape[-1]), NEG_INF)
+            pooled = torch.cat([pooled, pad], dim=-1)
+        means = block_means(self._cis.view(), num_blocks, cfg.block_size)
+        evict = torch.stack([pooled, means], dim=-1)[None]  # [1, Hkv, NB, 2]
+        sel = select_blocks(qs, evict, positions, cfg)[0]
+        if self.selection is not None:
+            self.entering = blocks_entering(self.selection, sel)
+        self.selection = sel
+        return sel
+
+    def attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode attention for the last token: q [Hq, D], k_all/v_all [L, Hkv, D] -> [Hq, D].
+
+        Gathers only the selected blocks (O(K * block_size) work), except below dense_len."""
+        cfg = self.cfg
+        sel = self.select(q, scale)
+        if self.length <= cfg.dense_len:
+            return dense_attention(q[None], k_all, v_all, scale)[0]
+        hkv = k_all.shape[1]
+        offsets = torch.arange(cfg.block_size, device=q.device)
+        tokens = (sel.clamp(min=0)[..., None] * cfg.block_size + offsets).reshape(hkv, -1)  # [Hkv, K*B]
+        valid = ((sel >= 0)[..., None].expand(-1, -1, cfg.block_size).reshape(hkv, -1)) & (tokens < self.length)
+        tokens = tokens.clamp(max=self.length - 1)
+        heads = torch.arange(hkv, device=q.device)[:, None]
+        k_sel = k_all[tokens, heads]  # [Hkv, K*B, D]
+        v_sel = v_all[tokens, heads]
+        cis = self._cis.view()[tokens, heads].masked_fill(~valid, NEG_INF)  # [Hkv, K*B]
+        group = q.shape[0] // hkv
+        dt = _compute_dtype(q)
+        qg = q.to(dt).reshape(hkv, group, -1)
+        logits = torch.einsum("hgd,htd->hgt", qg, k_sel.to(dt)) * scale + cis.to(dt)[:, None, :]
+        probs = torch.softmax(logits, dim=-1)
+        out = torch.einsum("hgt,htd->hgd", probs, v_sel.to(dt))
+        return out.reshape(q.shape).to(q.dtype)
+
+
+def _token_bias(sel: torch.Tensor, positions: torch.Tensor, cis: torch.Tensor, cfg: NosaConfig) -> torch.Tensor:
+    """Additive logit bias [n, Hkv, L]: cis on tokens of selected blocks at or before the row's
+    position, -inf elsewhere; rows within dense_len get a plain causal mask (bias 0)."""
+    length = cis.shape[0]
+    token = torch.arange(length, device=cis.device)
+    causal = token[None, :] <= positions[:, None]  # [n, L]
+    block_ok = selection_mask(sel, cfg.num_blocks(length))[..., token // cfg.block_size]  # [n, Hkv, L]
+    dense_row = (positions + 1 <= cfg.dense_len)[:, None, None]
+    allowed = causal[:, None, :] & (block_ok | dense_row)
+    weight = torch.where(dense_row, torch.zeros_like(cis.T)[None], cis.T[None])  # [n, Hkv, L]
+    return weight.masked_fill(~allowed, NEG_INF)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v with GQA. q [n, Hq, D], k/v [L, Hkv, D], bias [n, Hkv, L]."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    dt = _compute_dtype(q)
+    qg = q.to(dt).reshape(n, hkv, hq // hkv, d)
+    logits = torch.einsum("nhgd,lhd->nhgl", qg, k.to(dt)) * scale + bias.to(dt)[:, :, None, :]
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("nhgl,lhd->nhgd", probs, v.to(dt))
+    return out.reshape(n, hq, v.shape[-1]).to(q.dtype)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Softmax in at least fp32 (bf16/fp16 inputs are upcast; fp64 stays fp64 for gradcheck)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class _Growable:
+    """A [size, *row_shape] tensor with amortised O(1) appends (capacity doubling)."""
+
+    def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype, device, fill: float = 0.0):
+        self._buf = torch.full((16, *row_shape), fill, dtype=dtype, device=device)
+        self._fill = fill
+        self.size = 0
+
+    def _reserve(self, size: int) -> None:
+        if size > self._buf.shape[0]:
+            cap = max(size, 2 * self._buf.shape[0])
+            new = self._buf.new_full((cap, *self._buf.shape[1:]), self._fill)
+            new[: self.size] = self._buf[: self.size]
+            self._buf = new
+
+    def extend(self, rows: torch.Tensor) -> None:
+        self._reserve(self.size + rows.shape[0])
+        self._buf[self.size : self.size + rows.shape[0]] = rows
+        self.size += rows.shape[0]
+
+    def grow_to(self, size: int) -> None:
+        """Extend with fill rows up to ``size`` rows."""
+        if size > self.size:
+            self._reserve(size)
+            self.size = size
+
+    def view(self) -> torch.Tensor:
+        return self._buf[: self.size]

@@ -1,0 +1,217 @@
+"""Hugging Face transformers integration: ``convert`` a Llama / Qwen2 / Qwen3 causal LM to NOSA.
+
+``convert`` adds an ``EvictionHead`` named ``nosa_evict`` to every attention module, registers the
+"nosa" attention implementation (transformers' AttentionInterface, plus the SDPA mask function so
+padding reaches us) and stores the NosaConfig in ``model.config.nosa``. ``save_pretrained`` then
+writes the eviction heads and the config; ``nosa.from_pretrained`` reads both back.
+
+Inside the attention function, sequences are handled one at a time in the token-major layout of
+nosa.attention: prefill/training rows go through ``nosa_prefill`` (the spec), single-token decode
+rows go through ``NosaDecodeState`` kept per (layer, batch row) and checked against the cache on
+every step, so a stale state is rebuilt rather than trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from nosa.attention import NosaDecodeState, nosa_prefill
+from nosa.config import CONFIG_KEY, NosaConfig
+from nosa.eviction import MODULE_NAME, EvictionHead
+
+ATTN_IMPLEMENTATION = "nosa"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def register() -> None:
+    """Register the "nosa" attention (and its mask function) with transformers. Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, nosa_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def convert(model, config: NosaConfig | None = None):
+    """Turn a transformers Llama / Qwen2 / Qwen3 causal LM into NOSA attention, in place.
+
+    Adds ``self_attn.nosa_evict`` (W, b, A with A = 0, so outputs start as training-free NOSA
+    selection) to every layer that lacks one, stores ``config`` in ``model.config.nosa`` and
+    switches the attention implementation to "nosa". Returns the model.
+    """
+    config = config or NosaConfig()
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"nosa.convert: unsupported architecture {model_type!r} ({type(model).__name__}); "
+            f"supported model_type values are {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    text_config = model.config
+    num_kv = text_config.num_key_value_heads
+    for attn in _attention_modules(model):
+        if not hasattr(attn, MODULE_NAME):
+            ref = attn.k_proj.weight
+            head = EvictionHead(num_kv, attn.head_dim, device=ref.device, dtype=ref.dtype)
+            setattr(attn, MODULE_NAME, head)
+        attn._nosa_config = config
+    setattr(model.config, CONFIG_KEY, config.to_dict())
+    register()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
+
+
+def nosa_config_of(hf_config) -> NosaConfig | None:
+    """The NosaConfig stored in a transformers config (None for a dense checkpoint).
+    A malformed section raises ValueError naming the problem."""
+    data = getattr(hf_config, CONFIG_KEY, None)
+    if data is None:
+        return None
+    try:
+        return NosaConfig.from_dict(data)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"malformed '{CONFIG_KEY}' section in the model config: {err}") from err
+
+
+def from_pretrained(path: str, config: NosaConfig | None = None, **kwargs):
+    """Load a checkpoint as a NOSA model.
+
+    A NOSA checkpoint (written by ``save_pretrained`` after ``convert``, or by nosa.train) gets its
+    NosaConfig and eviction heads back; a dense checkpoint is converted with ``config`` (default
+    NosaConfig()) and A = 0. ``kwargs`` go to ``AutoModelForCausalLM.from_pretrained``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    register()
+    hf_config = AutoConfig.from_pretrained(path)
+    stored = nosa_config_of(hf_config)
+    if stored is not None and config is not None and stored != config:
+        raise ValueError(f"{path} holds NosaConfig {stored}, which differs from the one passed: {config}")
+    config = stored or config or NosaConfig()
+    kwargs.setdefault("attn_implementation", ATTN_IMPLEMENTATION)
+    # transformers reports the eviction-head tensors as UNEXPECTED (its Llama has no such module);
+    # they are loaded below, so keep that report out of the user's log.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=hf_config, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    convert(model, config)
+    if stored is not None:
+        _load_eviction_heads(model, path)
+    return model
+
+
+def reset_decode_state(model) -> None:
+    """Drop every per-sequence decode state (they are also rebuilt automatically when stale)."""
+    for attn in _attention_modules(model):
+        attn.__dict__.pop("_nosa_states", None)
+
+
+def nosa_attention_forward(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    """transformers attention function. query [B, Hq, S, D]; key/value [B, Hkv, L, D] (the whole
+    cache); attention_mask: None or the SDPA mask [B, 1, S, L] (bool, or float with -inf).
+    Returns ([B, S, Hq, D], None)."""
+    if dropout:
+        raise ValueError("NOSA attention does not implement attention dropout; set attention_dropout=0")
+    cfg: NosaConfig = module._nosa_config
+    evict: EvictionHead = getattr(module, MODULE_NAME)
+    bsz, hq, q_len, head_dim = query.shape
+    kv_len = key.shape[2]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    valid = _valid_keys(attention_mask, bsz, kv_len, query.device)  # [B, L] bool
+
+    states: dict[int, NosaDecodeState] = module.__dict__.setdefault("_nosa_states", {})
+    if q_len > 1:
+        states.clear()  # a new prefill starts new sequences
+    out = query.new_zeros(bsz, q_len, hq, value.shape[-1])
+    for b in range(bsz):
+        keep = valid[b].nonzero().squeeze(1)
+        rows = keep[keep >= kv_len - q_len] - (kv_len - q_len)  # query rows that are real tokens
+        if rows.numel() == 0:
+            continue
+        if rows[0] != q_len - rows.numel() or keep.numel() and keep[-1] != kv_len - q_len + rows[-1]:
+            raise ValueError("NOSA attention supports left or right padding only (real tokens contiguous)")
+        k_seq = key[b].index_select(1, keep).transpose(0, 1)  # [n, Hkv, D]
+        v_seq = value[b].index_select(1, keep).transpose(0, 1)
+        q_rows = query[b, :, rows].transpose(0, 1)  # [r, Hq, D]
+        if q_len == 1 and not module.training:
+            out[b, rows] = _decode(states, b, q_rows[0], k_seq, v_seq, evict, cfg, scale)[None]
+        else:
+            o, _ = nosa_prefill(q_rows, k_seq, v_seq, evict(v_seq), cfg, scale)
+            out[b, rows] = o
+    return out, None
+
+
+def _decode(states, b, q, k_seq, v_seq, evict, cfg, scale) -> torch.Tensor:
+    """One decode step of batch row b, reusing its state when it still describes this cache."""
+    length = k_seq.shape[0]
+    state = states.get(b)
+    fresh = (
+        state is None
+        or state.length != length - 1
+        or not torch.equal(state.probe, k_seq[length - 2])
+    ) if length > 1 else True
+    if fresh:
+        state = NosaDecodeState(cfg, k_seq.shape[1], k_seq.shape[2], device=k_seq.device)
+        if length > 1:
+            with torch.no_grad():
+                state.append(k_seq[: length - 1], evict(v_seq[: length - 1]))
+        states[b] = state
+    with torch.no_grad():
+        state.append(k_seq, evict(v_seq[length - 1 :]))
+    state.probe = k_seq[length - 1].clone()
+    return state.attend(q, k_seq, v_seq, scale)
+
+
+def _valid_keys(mask: torch.Tensor | None, bsz: int, kv_len: int, device) -> torch.Tensor:
+    if mask is None:
+        return torch.ones(bsz, kv_len, dtype=torch.bool, device=device)
+    last_row = mask[:, 0, -1, :kv_len]  # the last query row sees every real key
+    if last_row.dtype != torch.bool:
+        last_row = last_row == 0
+    return last_row.expand(bsz, kv_len)
+
+
+def _attention_modules(model):
+    modules = [m for name, m in model.named_modules() if name.endswith("self_attn")]
+    if not modules:
+        raise ValueError(f"nosa: found no '*.self_attn' modules in {type(model).__name__}")
+    return modules
+
+
+def _load_eviction_heads(model, path: str) -> None:
+    """Copy ``*.nosa_evict.*`` tensors from the checkpoint's safetensors files into the model."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    wanted = {n: p for n, p in model.named_parameters() if f".{MODULE_NAME}." in n}
+    found = set()
+    for file in files:
+        with safe_open(os.path.join(path, file), framework="pt") as f:
+            for name in f.keys():
+                if name in wanted:
+                    with torch.no_grad():
+                        wanted[name].copy_(f.get_tensor(name))
+                    found.add(name)
+    missing = sorted(set(wanted) - found)
+    if missing:
+        raise ValueError(f"{path} is a NOSA checkpoint but lacks eviction-head weights: {missing[:4]}...")

@@ -1,0 +1,155 @@
+"""Block selection: the one implementation used by training (nosa.hf), serving (nosa.serve) and the
+demos. Nothing else in the project decides which blocks a query attends to.
+
+Shapes: R query rows (tokens; rows of a prefill or one row per decoding sequence), Hq query heads,
+Hkv KV heads, G = Hq // Hkv, D head dim, C compressed windows, NB blocks, K = topk_blocks.
+
+Selection for a query at position t (context length t + 1, current block cur = t // block_size):
+
+1. Forced blocks F: the sink blocks ``[0, sink_blocks)`` and the local window
+   ``(cur - window_blocks, cur]``, which includes the current, partial block.
+2. Free picks P: the ``query_blocks`` best other blocks by the query-aware score (softmax of q over
+   the visible compressed keys, summed over the G query heads of the KV head, max-pooled onto
+   blocks). Q = F | P is the query-aware set.
+3. The rest of the budget, ``K - |Q|`` blocks, goes to the blocks with the highest static eviction
+   score (the eviction head ``cis`` max-pooled onto blocks). Max pooling gives two neighbouring
+   blocks the same score whenever their best window straddles the boundary, so ties are common;
+   they are broken by the static block mean of ``cis``, then by the query-aware score, then by the
+   lower block index. The result is deterministic, and with A = 0 (every eviction score 0) the
+   selection is exactly InfLLM-v2's query-aware top-K.
+
+If at most K blocks exist, all of them are selected.
+
+Locality theorem. Let the static keys (pooled score, block mean) of distinct blocks be distinct
+(true almost surely once A != 0). Then between two consecutive decode steps at most
+``query_blocks + 1`` blocks enter the selection, and the ``+ 1`` (the new current block) only on a
+step that starts a new block.
+Proof sketch: let CAND be the blocks outside F and n = K - |F|. Every block among the top
+``n - query_blocks`` of CAND by eviction score is selected (at most ``query_blocks`` of the blocks
+ranked above it are free picks). NosaConfig requires a block's pooled scores to be final before it
+leaves the window, so eviction scores of CAND are static; from one step to the next CAND gains at
+most the block that just left the window (which was selected as part of F) and loses none. Hence the
+static top ``n - query_blocks`` of the new step were all selected before, and a new block can only be
+one of the ``query_blocks`` other selected blocks or the window's new current block. With A = 0 the
+ranking falls to the query-aware score and only the budget bounds the churn.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nosa.compress import pool_to_blocks
+from nosa.config import NosaConfig
+
+NEG_INF = float("-inf")
+
+
+def query_block_scores(
+    q: torch.Tensor,
+    compressed_k: torch.Tensor,
+    positions: torch.Tensor,
+    num_blocks: int,
+    cfg: NosaConfig,
+    scale: float,
+) -> torch.Tensor:
+    """Query-aware block scores.
+
+    q: [R, Hq, D]; compressed_k: [C, Hkv, D]; positions: [R] (token position of each row).
+    Returns [R, Hkv, NB] float32: max over the windows overlapping a block of the group-summed
+    softmax; ``-inf`` for blocks with no window visible to the row. Window ``j`` is visible to the
+    row at position t when it lies entirely at or before t.
+    """
+    rows, hq, d = q.shape
+    num_windows, hkv, _ = compressed_k.shape
+    group = hq // hkv
+    qg = q.float().reshape(rows, hkv, group, d)
+    logits = torch.einsum("rhgd,chd->rhgc", qg, compressed_k.float()) * scale
+    window_end = (
+        torch.arange(num_windows, device=q.device) * cfg.compress_stride + cfg.compress_kernel
+    )
+    visible = window_end[None, :] <= positions[:, None] + 1  # [R, C]
+    logits = logits.masked_fill(~visible[:, None, None, :], NEG_INF)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with no visible window: all 0
+    scores = probs.sum(dim=2).masked_fill(~visible[:, None, :], NEG_INF)  # [R, Hkv, C]
+    return pool_to_blocks(scores, num_blocks, cfg)
+
+
+def select_blocks(
+    query_scores: torch.Tensor,
+    evict_scores: torch.Tensor,
+    positions: torch.Tensor,
+    cfg: NosaConfig,
+) -> torch.Tensor:
+    """The selected blocks of every row and KV head.
+
+    query_scores: [R, Hkv, NB]; evict_scores: [R, Hkv, NB, 2] or broadcastable ([1, Hkv, NB, 2]),
+    the static keys (pooled score, block mean) of nosa.eviction.block_eviction_scores;
+    positions: [R]. Returns [R, Hkv, K] long, ascending block indices, padded with -1 at the end
+    when fewer than K blocks exist.
+    """
+    rows, hkv, nb = query_scores.shape
+    device = query_scores.device
+    block = torch.arange(nb, device=device)
+    cur = (positions // cfg.block_size)[:, None]  # [R, 1]
+    exists = block[None, :] <= cur
+    forced = exists & ((block[None, :] < cfg.sink_blocks) | (block[None, :] > cur - cfg.window_blocks))
+    forced = forced[:, None, :].expand(rows, hkv, nb)
+    exists = exists[:, None, :].expand(rows, hkv, nb)
+
+    qs = query_scores.float().nan_to_num(nan=NEG_INF)
+    evict = evict_scores.float().nan_to_num(nan=NEG_INF).expand(rows, hkv, nb, 2)
+
+    # Free picks: best query-aware scores among existing, non-forced blocks with a finite score.
+    in_query_set = forced.clone()
+    if cfg.query_blocks > 0:
+        cand = exists & ~forced & torch.isfinite(qs)
+        pick_key = qs.masked_fill(~cand, NEG_INF)
+        order = _stable_argsort_desc(pick_key)[..., : cfg.query_blocks]
+        picked = cand.gather(-1, order)
+        in_query_set = in_query_set | _scatter_mask(order, picked, nb)
+
+    # Lexicographic ranking: (query set, eviction score, block mean, query score, -index), built
+    # from stable sorts applied from the least to the most significant key.
+    perm = _stable_argsort_desc(qs)
+    for key in (evict[..., 1], evict[..., 0]):
+        perm = perm.gather(-1, _stable_argsort_desc(key.gather(-1, perm)))
+    tier = exists.to(torch.int8) + in_query_set.to(torch.int8)  # 2: Q, 1: other, 0: future
+    perm = perm.gather(-1, _stable_argsort_desc(tier.gather(-1, perm)))
+
+    k = min(cfg.topk_blocks, nb)
+    chosen = perm[..., :k]
+    chosen = torch.where(exists.gather(-1, chosen), chosen, nb)
+    chosen = chosen.sort(dim=-1).values
+    chosen = chosen.masked_fill(chosen == nb, -1)
+    if k < cfg.topk_blocks:
+        pad = chosen.new_full((rows, hkv, cfg.topk_blocks - k), -1)
+        chosen = torch.cat([chosen, pad], dim=-1)
+    return chosen
+
+
+def selection_mask(selection: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[..., K] block indices (-1 = none) -> [..., NB] bool."""
+    valid = selection >= 0
+    index = selection.clamp(min=0)
+    return _scatter_mask(index, valid, num_blocks)
+
+
+def blocks_entering(previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """How many selected blocks of ``current`` were not in ``previous``, per leading index.
+
+    previous, current: [..., K] block indices (-1 = none). Returns [...] long.
+    """
+    prev = previous.unsqueeze(-1)  # [..., K, 1]
+    cur = current.unsqueeze(-2)  # [..., 1, K]
+    present = ((prev == cur) & (prev >= 0)).any(dim=-2)  # [..., K]
+    return ((current >= 0) & ~present).sum(dim=-1)
+
+
+def _stable_argsort_desc(key: torch.Tensor) -> torch.Tensor:
+    return torch.sort(key, dim=-1, descending=True, stable=True).indices
+
+
+def _scatter_mask(index: torch.Tensor, valid: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    mask = torch.zeros((*index.shape[:-1], num_blocks + 1), dtype=torch.bool, device=index.device)
+    mask.scatter_(-1, torch.where(valid, index, num_blocks), True)
+    return mask[..., :num_blocks]

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create .venv at the repository root from the package registries alone and install nosa with
+# its training and test extras (and SGLang by its CPU route on machines without CUDA).
+# Usage: bash scripts/setup.sh            (PYTHON=python3.11 to choose the interpreter)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+if [ ! -x .venv/bin/python ]; then
+    echo "[setup] creating .venv with $($PYTHON --version)"
+    "$PYTHON" -m venv .venv
+fi
+PY=.venv/bin/python
+$PY -m pip install -q --upgrade pip
+# torch first and by exact version: SGLang 0.5.23 pins 2.14.1 (a CUDA build that also runs on CPU).
+echo "[setup] torch==2.14.1"
+$PY -m pip install -q torch==2.14.1
+echo "[setup] nosa[dev,train] (editable)"
+# DS_BUILD_OPS=0: DeepSpeed installs as pure Python; ops are built on first use only if asked for.
+DS_BUILD_OPS=0 $PY -m pip install -q -e '.[dev,train]'
+if [ -f scripts/install_sglang_cpu.sh ] && ! $PY -c "import torch,sys; sys.exit(not torch.cuda.is_available())"; then
+    echo "[setup] SGLang 0.5.23 by the CPU route (no CUDA device here)"
+    PY=$PY bash scripts/install_sglang_cpu.sh
+fi
+$PY -c "import nosa, torch; print(f'[setup] ok: nosa {nosa.__version__}, torch {torch.__version__}')"

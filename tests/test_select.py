@@ -1,0 +1,85 @@
+"""Selection against a brute-force oracle written from the rule in nosa.select's docstring."""
+
+import math
+
+import pytest
+import torch
+
+from nosa import NosaConfig, block_eviction_scores, query_block_scores, select_blocks
+from nosa.compress import compress_windows, pool_to_blocks
+
+
+def oracle_select(qs, evict, t, cfg):
+    """Plain-Python selection for one row and KV head. qs, evict[..., 0/1]: lists over blocks."""
+    cur = t // cfg.block_size
+    blocks = range(cur + 1)
+    if cur + 1 <= cfg.topk_blocks:
+        return sorted(blocks)
+    forced = {b for b in blocks if b < cfg.sink_blocks or b > cur - cfg.window_blocks}
+    cand = [b for b in blocks if b not in forced and math.isfinite(qs[b])]
+    picks = sorted(cand, key=lambda b: (-qs[b], b))[: cfg.query_blocks]
+    chosen = forced | set(picks)
+    rest = [b for b in blocks if b not in chosen]
+    rest.sort(key=lambda b: (-evict[b][0], -evict[b][1], -qs[b], b))
+    chosen |= set(rest[: cfg.topk_blocks - len(chosen)])
+    return sorted(chosen)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("zero_eviction", [False, True])
+def test_select_matches_oracle(seed, zero_eviction):
+    torch.manual_seed(seed)
+    cfg = NosaConfig.tiny(topk_blocks=6, query_blocks=2, window_blocks=2)
+    length, hq, hkv, d = 200, 4, 2, 8
+    q, k = torch.randn(length, hq, d), torch.randn(length, hkv, d)
+    cis = torch.zeros(length, hkv) if zero_eviction else torch.randn(length, hkv)
+    nb = cfg.num_blocks(length)
+    positions = torch.arange(length)
+    qs = query_block_scores(q, compress_windows(k, cfg), positions, nb, cfg, d**-0.5)
+    evict = block_eviction_scores(cis, cfg, nb)
+    sel = select_blocks(qs, evict[None], positions, cfg)
+    assert sel.shape == (length, hkv, cfg.topk_blocks)
+    for t in range(0, length, 7):
+        for h in range(hkv):
+            want = oracle_select(qs[t, h].tolist(), evict[h].tolist(), t, cfg)
+            got = [b for b in sel[t, h].tolist() if b >= 0]
+            assert got == want, (t, h)
+
+
+def test_zero_eviction_is_query_aware_topk():
+    """With A = 0 the budget beyond sink + window goes to the best query-aware blocks (InfLLM-v2)."""
+    torch.manual_seed(0)
+    cfg = NosaConfig.tiny(topk_blocks=6, query_blocks=1)
+    length, hkv = 160, 1
+    qs = torch.rand(1, hkv, cfg.num_blocks(length))
+    evict = block_eviction_scores(torch.zeros(length, hkv), cfg)
+    sel = select_blocks(qs, evict[None], torch.tensor([length - 1]), cfg)[0, 0].tolist()
+    cur = (length - 1) // cfg.block_size
+    forced = {0, cur - 1, cur}
+    others = sorted((b for b in range(cur + 1) if b not in forced), key=lambda b: -qs[0, 0, b])
+    assert set(sel) == forced | set(others[:3])
+
+
+def test_query_scores_ignore_windows_beyond_the_row():
+    """A row's scores must not depend on keys after its position (causality of selection)."""
+    torch.manual_seed(1)
+    cfg = NosaConfig.tiny()
+    q, k = torch.randn(1, 2, 8), torch.randn(120, 1, 8)
+    nb = cfg.num_blocks(120)
+    pos = torch.tensor([70])
+    a = query_block_scores(q, compress_windows(k, cfg), pos, nb, cfg, 1.0)
+    k2 = k.clone()
+    k2[71:] = torch.randn_like(k2[71:])
+    b = query_block_scores(q, compress_windows(k2, cfg), pos, nb, cfg, 1.0)
+    torch.testing.assert_close(a, b)
+    assert torch.isinf(a[0, 0, 5:]).all()  # blocks past the row have no visible window
+
+
+def test_pool_to_blocks_takes_max_over_overlapping_windows():
+    cfg = NosaConfig.tiny()  # block 16, kernel 8, stride 4: window j covers [4j, 4j+8)
+    scores = torch.arange(10.0)  # windows 0..9 cover tokens 0..44
+    pooled = pool_to_blocks(scores, 3, cfg)
+    # block 0 = tokens 0..15: windows 0..3; block 1: windows 3..7; block 2: windows 7..9
+    assert pooled.tolist() == [3.0, 7.0, 9.0]
+    tail = pool_to_blocks(scores[6:], 3, cfg, first_window=6)
+    assert tail.tolist() == [float("-inf"), 7.0, 9.0]
