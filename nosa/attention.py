@@ -173,10 +173,9 @@ class NosaDecodeState:
         tokens = (sel.clamp(min=0)[..., None] * cfg.block_size + offsets).reshape(hkv, -1)  # [Hkv, K*B]
         valid = ((sel >= 0)[..., None].expand(-1, -1, cfg.block_size).reshape(hkv, -1)) & (tokens < self.length)
         tokens = tokens.clamp(max=self.length - 1)
-        heads = torch.arange(hkv, device=q.device)[:, None]
-        k_sel = k_all[tokens, heads]  # [Hkv, K*B, D]
-        v_sel = v_all[tokens, heads]
-        cis = self._cis.view()[tokens, heads].masked_fill(~valid, NEG_INF)  # [Hkv, K*B]
+        k_sel = gather_heads(k_all, tokens)  # [Hkv, K*B, D]
+        v_sel = gather_heads(v_all, tokens)
+        cis = gather_heads(self._cis.view(), tokens).masked_fill(~valid, NEG_INF)  # [Hkv, K*B]
         group = q.shape[0] // hkv
         dt = _compute_dtype(q)
         qg = q.to(dt).reshape(hkv, group, -1)
@@ -184,6 +183,12 @@ class NosaDecodeState:
         probs = torch.softmax(logits, dim=-1)
         out = torch.einsum("hgt,htd->hgd", probs, v_sel.to(dt))
         return out.reshape(q.shape).to(q.dtype)
+
+
+def gather_heads(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """x [L, Hkv, ...] (any strides), tokens [Hkv, T] -> [Hkv, T, ...]: row tokens[h] of head h.
+    One index_select per KV head: several times faster on CPU than x[tokens, heads]."""
+    return torch.stack([x[:, h].index_select(0, tokens[h]) for h in range(tokens.shape[0])])
 
 
 def _token_bias(sel: torch.Tensor, positions: torch.Tensor, cis: torch.Tensor, cfg: NosaConfig) -> torch.Tensor:

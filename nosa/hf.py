@@ -40,9 +40,11 @@ def convert(model, config: NosaConfig | None = None):
 
     Adds ``self_attn.nosa_evict`` (W, b, A with A = 0, so outputs start as training-free NOSA
     selection) to every layer that lacks one, stores ``config`` in ``model.config.nosa`` and
-    switches the attention implementation to "nosa". Returns the model.
+    switches the attention implementation to "nosa". Without ``config``, the one already stored in
+    ``model.config.nosa`` is used (a model loaded from a NOSA checkpoint), else NosaConfig().
+    Returns the model.
     """
-    config = config or NosaConfig()
+    config = config or nosa_config_of(model.config) or NosaConfig()
     model_type = getattr(model.config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(

@@ -1,0 +1,128 @@
+"""Batched NOSA decode attention over selected blocks of a paged KV pool: Triton kernel + torch reference.
+
+Layout (SGLang's token pool): k_pool, v_pool [N, Hkv, D] and cis_pool [N, Hkv] are indexed by token
+slot; token_table [B, T] int32 maps a sequence's positions to slots (SGLang's req_to_token rows);
+q [B, Hq, D] is the one query of each sequence; selection [B, Hkv, K] holds the selected block
+indices (-1 = none, as returned by nosa.select.select_blocks); seq_lens [B]. Output [B, Hq, D].
+
+out[b, h] = softmax_j(q[b, h] . k_j * scale + cis_j) v_j over the tokens j < seq_lens[b] of the
+selected blocks of KV head h // G: exactly nosa.NosaDecodeState.attend for contexts above
+dense_len (tests/test_kernels.py checks both equalities). The kernel runs one program per
+(sequence, KV head), all G query heads of the group together, with an online softmax over the K
+blocks; on CPU it runs under TRITON_INTERPRET=1 (tests only: ~1 ms per program).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nosa.attention import gather_heads
+
+
+def sparse_decode_reference(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale):
+    """Pure-torch spec of the kernel (fp32 math). Shapes as in the module docstring."""
+    bsz, hq, d = q.shape
+    hkv = selection.shape[1]
+    group = hq // hkv
+    out = torch.empty(bsz, hq, v_pool.shape[-1], dtype=q.dtype, device=q.device)
+    offsets = torch.arange(block_size, device=q.device)
+    for b in range(bsz):
+        length = int(seq_lens[b])
+        pos = selection[b].clamp(min=0)[..., None] * block_size + offsets  # [Hkv, K, B]
+        valid = (selection[b] >= 0)[..., None] & (pos < length)
+        pos = pos.reshape(hkv, -1).clamp(max=length - 1)
+        slots = token_table[b, pos].long()  # [Hkv, K*B]
+        k = gather_heads(k_pool, slots).float()
+        v = gather_heads(v_pool, slots).float()
+        bias = gather_heads(cis_pool, slots).float().masked_fill(~valid.reshape(hkv, -1), float("-inf"))
+        qg = q[b].float().reshape(hkv, group, d)
+        logits = torch.einsum("hgd,htd->hgt", qg, k) * scale + bias[:, None, :]
+        out[b] = torch.einsum("hgt,htd->hgd", torch.softmax(logits, -1), v).reshape(hq, -1).to(q.dtype)
+    return out
+
+
+def sparse_decode(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale):
+    """Triton kernel launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    import triton
+
+    bsz, hq, d = q.shape
+    hkv, topk = selection.shape[1], selection.shape[2]
+    if hq % hkv:
+        raise ValueError(f"sparse_decode: Hq={hq} is not a multiple of Hkv={hkv}")
+    if k_pool.shape[1:] != (hkv, d) or v_pool.shape[:2] != k_pool.shape[:2] or cis_pool.shape != k_pool.shape[:2]:
+        raise ValueError(
+            f"sparse_decode: pools disagree: k {tuple(k_pool.shape)}, v {tuple(v_pool.shape)}, "
+            f"cis {tuple(cis_pool.shape)} for Hkv={hkv}, D={d}"
+        )
+    if block_size & (block_size - 1):
+        raise ValueError(f"sparse_decode: block_size={block_size} must be a power of two")
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("q", q)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"sparse_decode: {name} must be contiguous in the head dimension")
+    out = torch.empty(bsz, hq, v_pool.shape[-1], dtype=q.dtype, device=q.device)
+    group = hq // hkv
+    _kernel()[(bsz, hkv)](
+        q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, out,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        cis_pool.stride(0), cis_pool.stride(1), token_table.stride(0),
+        selection.stride(0), selection.stride(1), out.stride(0), out.stride(1),
+        scale,
+        TOPK=topk, BLOCK=block_size, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d, HEAD_DIM_P=max(16, triton.next_power_of_2(d)),
+    )
+    return out
+
+
+_KERNEL = None
+
+
+def _kernel():
+    """Define the @triton.jit kernel on first use, so importing this module needs no triton."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(Q, K, V, CIS, TOK, SEL, LENS, OUT,
+               sqb, sqh, skn, skh, svn, svh, scn, sch, stb, ssb, ssh, sob, soh,
+               scale,
+               TOPK: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        length = tl.load(LENS + b)
+        g = tl.arange(0, GROUP_P)
+        d = tl.arange(0, HEAD_DIM_P)
+        t = tl.arange(0, BLOCK)
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        q = tl.load(Q + b * sqb + (h * GROUP + g)[:, None] * sqh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        m = tl.full([GROUP_P], float("-inf"), tl.float32)
+        denom = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
+        for i in range(TOPK):
+            blk = tl.load(SEL + b * ssb + h * ssh + i).to(tl.int64)
+            pos = blk * BLOCK + t
+            ok = (blk >= 0) & (pos < length)
+            slot = tl.load(TOK + b * stb + pos, mask=ok, other=0).to(tl.int64)
+            k = tl.load(K + slot[:, None] * skn + h * skh + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(V + slot[:, None] * svn + h * svh + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+            c = tl.load(CIS + slot * scn + h * sch, mask=ok, other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k.to(tl.float32))) * scale + c[None, :]  # [GROUP_P, BLOCK]
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no valid token
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            m = m_new
+        out = acc / denom[:, None]
+        tl.store(OUT + b * sob + (h * GROUP + g)[:, None] * soh + d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=g_ok[:, None] & d_ok[None, :])
+
+    _KERNEL = kernel
+    return kernel
