@@ -32,16 +32,19 @@ def nosa_prefill(
     cis: torch.Tensor,
     cfg: NosaConfig,
     scale: float,
-    row_chunk: int = 512,
+    row_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention for the last n tokens of a context.
 
     q: [n, Hq, D]; k, v: [L, Hkv, D]; cis: [L, Hkv] (eviction-head scores, differentiable).
     Returns (out [n, Hq, D], selection [n, Hkv, K] long, -1 padded). Rows are processed
-    ``row_chunk`` at a time so that memory is O(row_chunk * L), not O(n * L) per step.
+    ``row_chunk`` at a time so that memory is O(row_chunk * Hq * L), not O(n * Hq * L); by default
+    the chunk keeps each logits tensor near 2**26 elements (between 16 and 512 rows).
     """
     n, hq, d = q.shape
     length, hkv, _ = k.shape
+    if row_chunk is None:
+        row_chunk = max(16, min(512, 2**26 // max(1, length * hq)))
     if n > length:
         raise ValueError(f"nosa_prefill: {n} query rows but only {length} key tokens")
     if hq % hkv:
@@ -121,19 +124,24 @@ class NosaDecodeState:
     def num_windows(self) -> int:
         return self._ck.size
 
-    def append(self, k_all: torch.Tensor, cis_new: torch.Tensor) -> None:
-        """Account for m new tokens. k_all: [L, Hkv, D], the sequence's keys including the new ones
-        (only the last compress_kernel + m rows are read); cis_new: [m, Hkv]."""
+    def append(self, k_all: torch.Tensor, cis_new: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        """Account for m new tokens; cis_new: [m, Hkv].
+
+        k_all: the sequence's keys including the new ones, [L, Hkv, D]; or, with ``slots`` [L]
+        (long), a paged pool [N, Hkv, D] in which token i lives at row slots[i] (SGLang's
+        req_to_token row). Only the rows of the new compressed windows are read."""
         cfg = self.cfg
         new_length = self.length + cis_new.shape[0]
-        if k_all.shape[0] != new_length:
-            raise ValueError(
-                f"NosaDecodeState.append: expected keys for {new_length} tokens, got {k_all.shape[0]}"
-            )
+        have = k_all.shape[0] if slots is None else slots.shape[0]
+        if have != new_length:
+            raise ValueError(f"NosaDecodeState.append: expected keys for {new_length} tokens, got {have}")
         self._cis.extend(cis_new.detach().float())
         first, total = self.num_windows, cfg.num_compressed(new_length)
         if total > first:
-            self._ck.extend(compress_windows(k_all.detach().float(), cfg, first, total - first))
+            lo = cfg.compress_stride * first
+            hi = cfg.compress_stride * (total - 1) + cfg.compress_kernel
+            rows = k_all[lo:hi] if slots is None else k_all.index_select(0, slots[lo:hi])
+            self._ck.extend(compress_windows(rows.detach().float(), cfg, 0, total - first))
             window_cis = compress_windows(self._cis.view(), cfg, first, total - first)  # [c, Hkv]
             num_blocks = cfg.num_blocks(new_length)
             self._evict.grow_to(num_blocks)
@@ -160,21 +168,28 @@ class NosaDecodeState:
         self.selection = sel
         return sel
 
-    def attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float) -> torch.Tensor:
-        """Decode attention for the last token: q [Hq, D], k_all/v_all [L, Hkv, D] -> [Hq, D].
+    def attend(
+        self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decode attention for the last token: q [Hq, D] -> [Hq, D]. k_all/v_all: [L, Hkv, D], or
+        paged pools [N, Hkv, D] with ``slots`` [L] as in ``append``.
 
-        Gathers only the selected blocks (O(K * block_size) work), except below dense_len."""
+        Reads only the selected blocks (O(K * block_size) work), except below dense_len."""
         cfg = self.cfg
         sel = self.select(q, scale)
         if self.length <= cfg.dense_len:
+            if slots is not None:
+                k_all, v_all = k_all.index_select(0, slots), v_all.index_select(0, slots)
             return dense_attention(q[None], k_all, v_all, scale)[0]
         hkv = k_all.shape[1]
         offsets = torch.arange(cfg.block_size, device=q.device)
         tokens = (sel.clamp(min=0)[..., None] * cfg.block_size + offsets).reshape(hkv, -1)  # [Hkv, K*B]
         valid = ((sel >= 0)[..., None].expand(-1, -1, cfg.block_size).reshape(hkv, -1)) & (tokens < self.length)
         tokens = tokens.clamp(max=self.length - 1)
-        k_sel = gather_heads(k_all, tokens)  # [Hkv, K*B, D]
-        v_sel = gather_heads(v_all, tokens)
+        rows = tokens if slots is None else slots[tokens]
+        k_sel = gather_heads(k_all, rows)  # [Hkv, K*B, D]
+        v_sel = gather_heads(v_all, rows)
         cis = gather_heads(self._cis.view(), tokens).masked_fill(~valid, NEG_INF)  # [Hkv, K*B]
         group = q.shape[0] // hkv
         dt = _compute_dtype(q)

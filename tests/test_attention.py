@@ -184,3 +184,26 @@ def test_gradients_reach_q_k_v_and_eviction_head():
     _, sel = nosa_prefill(qs, ks, vs, cis, small, 0.3)
     assert (sel[-1] >= 0).sum() == 4 and small.num_blocks(30) == 8
     assert torch.autograd.gradcheck(lambda a, b, c, e: nosa_prefill(a, b, c, e, small, 0.3)[0], (qs, ks, vs, cis))
+
+
+@pytest.mark.parametrize("dense_len", [0, 200])
+def test_decode_on_a_paged_pool_equals_contiguous(dense_len):
+    """The serving layout: tokens scattered over a pool, found through a slot table."""
+    cfg = NosaConfig.tiny(dense_len=dense_len)
+    length, hq, hkv, d = 170, 4, 2, 8
+    q, k, v = make(length, hq, hkv, d, seed=11)
+    _, cis = eviction_scores(v)
+    cis = cis.detach()
+    slots = torch.randperm(length + 30)[:length]
+    k_pool, v_pool = torch.randn(length + 30, hkv, d), torch.randn(length + 30, hkv, d)
+    k_pool[slots], v_pool[slots] = k, v
+    flat, paged = NosaDecodeState(cfg, hkv, d), NosaDecodeState(cfg, hkv, d)
+    flat.append(k[:100], cis[:100])
+    paged.append(k_pool, cis[:100], slots=slots[:100])
+    for t in range(100, length):
+        flat.append(k[: t + 1], cis[t : t + 1])
+        paged.append(k_pool, cis[t : t + 1], slots=slots[: t + 1])
+        want = flat.attend(q[t], k[: t + 1], v[: t + 1], 0.3)
+        got = paged.attend(q[t], k_pool, v_pool, 0.3, slots=slots[: t + 1])
+        assert torch.equal(flat.selection, paged.selection)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
