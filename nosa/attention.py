@@ -38,13 +38,16 @@ def nosa_prefill(
 
     q: [n, Hq, D]; k, v: [L, Hkv, D]; cis: [L, Hkv] (eviction-head scores, differentiable).
     Returns (out [n, Hq, D], selection [n, Hkv, K] long, -1 padded). Rows are processed
-    ``row_chunk`` at a time so that memory is O(row_chunk * Hq * L), not O(n * Hq * L); by default
-    the chunk keeps each logits tensor near 2**26 elements (between 16 and 512 rows).
+    ``row_chunk`` at a time; each chunk attends over the union of its rows' selected blocks, so work
+    and memory follow the budget rather than the context (the default chunk keeps the logits of a
+    chunk near 2**25 elements, between 16 and 512 rows).
     """
     n, hq, d = q.shape
     length, hkv, _ = k.shape
-    if row_chunk is None:
-        row_chunk = max(16, min(512, 2**26 // max(1, length * hq)))
+    if row_chunk is None:  # block-aligned chunks keep the union of the rows' blocks tight
+        span = min(length, 4 * cfg.topk_blocks * cfg.block_size)
+        row_chunk = max(16, min(512, 2**25 // max(1, span * hq)))
+        row_chunk = max(cfg.block_size, row_chunk // cfg.block_size * cfg.block_size)
     if n > length:
         raise ValueError(f"nosa_prefill: {n} query rows but only {length} key tokens")
     if hq % hkv:
@@ -57,12 +60,10 @@ def nosa_prefill(
     for start in range(0, n, row_chunk):
         stop = min(start + row_chunk, n)
         positions = torch.arange(length - n + start, length - n + stop, device=q.device)
-        end = int(positions[-1]) + 1  # keys beyond the chunk's last row are never visible
         with torch.no_grad():
             qs = query_block_scores(q[start:stop].detach(), compressed_k, positions, num_blocks, cfg, scale)
             sel = select_blocks(qs, evict, positions, cfg)
-        bias = _token_bias(sel, positions, cis[:end], cfg)
-        outs.append(_attend(q[start:stop], k[:end], v[:end], bias, scale))
+        outs.append(_attend_selected(q[start:stop], k, v, cis, sel, positions, cfg, scale))
         sels.append(sel)
     return torch.cat(outs), torch.cat(sels)
 
@@ -206,17 +207,52 @@ def gather_heads(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.stack([x[:, h].index_select(0, tokens[h]) for h in range(tokens.shape[0])])
 
 
-def _token_bias(sel: torch.Tensor, positions: torch.Tensor, cis: torch.Tensor, cfg: NosaConfig) -> torch.Tensor:
-    """Additive logit bias [n, Hkv, L]: cis on tokens of selected blocks at or before the row's
-    position, -inf elsewhere; rows within dense_len get a plain causal mask (bias 0)."""
-    length = cis.shape[0]
-    token = torch.arange(length, device=cis.device)
-    causal = token[None, :] <= positions[:, None]  # [n, L]
-    block_ok = selection_mask(sel, cfg.num_blocks(length))[..., token // cfg.block_size]  # [n, Hkv, L]
-    dense_row = (positions + 1 <= cfg.dense_len)[:, None, None]
-    allowed = causal[:, None, :] & (block_ok | dense_row)
-    weight = torch.where(dense_row, torch.zeros_like(cis.T)[None], cis.T[None])  # [n, Hkv, L]
-    return weight.masked_fill(~allowed, NEG_INF)
+def _attend_selected(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cis: torch.Tensor,
+    sel: torch.Tensor,
+    positions: torch.Tensor,
+    cfg: NosaConfig,
+    scale: float,
+) -> torch.Tensor:
+    """Each row attends over its own selected blocks, at or before its position, token j weighted by
+    exp(cis_j); rows within dense_len attend densely without weights.
+
+    q [n, Hq, D]; k/v [L, Hkv, D]; cis [L, Hkv]; sel [n, Hkv, K]; positions [n] -> [n, Hq, D].
+    Keys are gathered once for the union of the rows' blocks (per KV head) and masked per row.
+    """
+    n, hq, d = q.shape
+    hkv, bsz = k.shape[1], cfg.block_size
+    last = int(positions[-1])
+    nb = cfg.num_blocks(last + 1)
+    dense_row = positions + 1 <= cfg.dense_len  # [n]
+    row_blocks = selection_mask(sel, nb)  # [n, Hkv, NB]
+    exists = torch.arange(nb, device=q.device)[None, :] <= (positions // bsz)[:, None]  # [n, NB]
+    row_blocks = row_blocks | (dense_row[:, None, None] & exists[:, None, :])
+    union = row_blocks.any(dim=0)  # [Hkv, NB]
+    width = int(union.sum(dim=-1).max())
+    # the union's blocks first (in block order), padding after them
+    ublocks = torch.sort(union.to(torch.int8), dim=-1, descending=True, stable=True).indices[:, :width]
+    offsets = torch.arange(bsz, device=q.device)
+    tokens = (ublocks[..., None] * bsz + offsets).reshape(hkv, width * bsz)  # [Hkv, T]
+    token_ok = union.gather(-1, ublocks).repeat_interleave(bsz, dim=-1) & (tokens <= last)
+    tokens = tokens.clamp(max=last)
+    k_sel, v_sel, cis_sel = (gather_heads(x, tokens) for x in (k, v, cis))  # [Hkv, T, D], [Hkv, T]
+    # masks and bias in [Hkv, n, T]: the layout of the batched matmuls below (no permuted copies)
+    allowed = row_blocks.transpose(0, 1).gather(-1, ublocks[:, None, :].expand(-1, n, -1))
+    allowed = allowed.repeat_interleave(bsz, dim=-1) & token_ok[:, None, :]
+    allowed = allowed & (tokens[:, None, :] <= positions[None, :, None])
+    weight = torch.where(dense_row[None, :, None], torch.zeros_like(cis_sel)[:, None, :], cis_sel[:, None, :])
+    bias = weight.masked_fill(~allowed, NEG_INF)
+    dt = _compute_dtype(q)
+    group = hq // hkv
+    qh = q.to(dt).reshape(n, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, n * group, d)
+    logits = torch.bmm(qh, k_sel.to(dt).transpose(1, 2)).view(hkv, n, group, -1) * scale
+    probs = torch.softmax(logits + bias.to(dt)[:, :, None, :], dim=-1)
+    out = torch.bmm(probs.view(hkv, n * group, -1), v_sel.to(dt))  # [Hkv, n*G, Dv]
+    return out.view(hkv, n, group, -1).permute(1, 0, 2, 3).reshape(n, hq, -1).to(q.dtype)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:

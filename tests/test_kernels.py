@@ -1,18 +1,13 @@
 """Triton kernels against their torch references, and the references against the nosa spec.
 
-Without CUDA the kernels run under TRITON_INTERPRET=1 (set here before triton is first used);
-with CUDA they run for real and the same tests compare them with the reference."""
-
-import os
+Without CUDA the kernels run under TRITON_INTERPRET=1 (set by conftest.py before triton is first
+imported); with CUDA they run for real and the same tests compare them with the reference."""
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from nosa import EvictionHead, NosaConfig, NosaDecodeState  # noqa: E402
-from nosa.kernels.sparse_decode import sparse_decode, sparse_decode_reference  # noqa: E402
+from nosa import EvictionHead, NosaConfig, NosaDecodeState
+from nosa.kernels.sparse_decode import sparse_decode, sparse_decode_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
