@@ -9,8 +9,9 @@ import importlib.util as _importlib_util
 import os as _os
 import sys as _sys
 
-from nosa.attention import NosaDecodeState, dense_attention, nosa_prefill, nosa_prefill_varlen
+from nosa.attention import dense_attention, nosa_prefill, nosa_prefill_varlen
 from nosa.config import NosaConfig
+from nosa.decode import NosaDecodeState
 from nosa.eviction import EvictionHead, block_eviction_scores
 from nosa.select import blocks_entering, query_block_scores, select_blocks
 

@@ -1,14 +1,14 @@
-"""NOSA attention, the reference implementation (pure PyTorch, any device, autograd).
+"""NOSA attention for token-level queries, the reference implementation (pure PyTorch, autograd).
 
 Layout (one sequence, token-major as in SGLang): q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv];
-the n query rows are the last n tokens of the L-token context (n == L for a plain prefill, n == 1
-for decode). G = Hq // Hkv query heads share one KV head and one selection.
+the n query rows are the last n tokens of the L-token context (n == L for a plain prefill).
+G = Hq // Hkv query heads share one KV head and one selection.
 
 Two paths, one selection (nosa.select):
-- ``nosa_prefill``: token-level queries; every row gets its own selection from the blocks up to
-  its position (causal inside the current block). Used for training and prefill.
-- ``NosaDecodeState``: one query per step with incremental state (compressed keys, eviction scores,
-  previous selection); memory linear in the context, nothing of size L x L.
+- ``nosa_prefill`` (here): training and prefill; every row gets its own selection from the blocks
+  up to its position (causal inside the current block).
+- ``nosa.decode.NosaDecodeState``: one query per step with incremental state; memory linear in
+  the context, nothing of size L x L.
 Rows whose context has at most ``dense_len`` tokens attend densely (plain causal softmax, no
 eviction weighting), so short prompts behave exactly like the dense model.
 """
@@ -16,11 +16,12 @@ eviction weighting), so short prompts behave exactly like the dense model.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from nosa.compress import compress_windows, pool_to_blocks
+from nosa.compress import compress_windows
 from nosa.config import NosaConfig
-from nosa.eviction import block_eviction_scores, block_means
-from nosa.select import blocks_entering, query_block_scores, select_blocks, selection_mask
+from nosa.eviction import block_eviction_scores
+from nosa.select import query_block_scores, select_blocks, selection_mask
 
 NEG_INF = float("-inf")
 
@@ -37,35 +38,44 @@ def nosa_prefill(
     """Sparse attention for the last n tokens of a context.
 
     q: [n, Hq, D]; k, v: [L, Hkv, D]; cis: [L, Hkv] (eviction-head scores, differentiable).
-    Returns (out [n, Hq, D], selection [n, Hkv, K] long, -1 padded). Rows are processed
-    ``row_chunk`` at a time; each chunk attends over the union of its rows' selected blocks, so work
-    and memory follow the budget rather than the context (the default chunk keeps the logits of a
-    chunk near 2**25 elements, between 16 and 512 rows).
+    Returns (out [n, Hq, D], selection [n, Hkv, K] long, -1 padded).
+
+    Rows go in chunks aligned to ``row_chunk`` positions (default: the multiple of block_size
+    nearest 64). Within a chunk, the blocks every row selected are attended to once for all rows,
+    and each row gathers only its other selected blocks, so the work per row follows the budget,
+    not the context.
     """
     n, hq, d = q.shape
     length, hkv, _ = k.shape
-    if row_chunk is None:  # block-aligned chunks keep the union of the rows' blocks tight
-        span = min(length, 4 * cfg.topk_blocks * cfg.block_size)
-        row_chunk = max(16, min(512, 2**25 // max(1, span * hq)))
-        row_chunk = max(cfg.block_size, row_chunk // cfg.block_size * cfg.block_size)
     if n > length:
         raise ValueError(f"nosa_prefill: {n} query rows but only {length} key tokens")
     if hq % hkv:
         raise ValueError(f"nosa_prefill: Hq={hq} is not a multiple of Hkv={hkv}")
+    if row_chunk is None:
+        row_chunk = max(1, round(64 / cfg.block_size)) * cfg.block_size
+    first = length - n
     num_blocks = cfg.num_blocks(length)
+    dense_rows = min(n, max(0, cfg.dense_len - first))  # rows whose context fits in dense_len
+    outs, sels = [], []
+    if dense_rows:
+        outs.append(dense_attention(q[:dense_rows], k[: first + dense_rows], v[: first + dense_rows], scale))
     with torch.no_grad():
         compressed_k = compress_windows(k.detach(), cfg)  # [C, Hkv, D]
         evict = block_eviction_scores(cis, cfg, num_blocks)[None]  # [1, Hkv, NB, 2]
-    outs, sels = [], []
-    for start in range(0, n, row_chunk):
-        stop = min(start + row_chunk, n)
-        positions = torch.arange(length - n + start, length - n + stop, device=q.device)
-        with torch.no_grad():
-            qs = query_block_scores(q[start:stop].detach(), compressed_k, positions, num_blocks, cfg, scale)
-            sel = select_blocks(qs, evict, positions, cfg)
-        outs.append(_attend_selected(q[start:stop], k, v, cis, sel, positions, cfg, scale))
-        sels.append(sel)
-    return torch.cat(outs), torch.cat(sels)
+        # selections of every row (the dense rows' too: callers track churn from them)
+        for start in range(0, n, row_chunk):
+            positions = torch.arange(first + start, first + min(start + row_chunk, n), device=q.device)
+            qs = query_block_scores(q[start : start + row_chunk].detach(), compressed_k, positions,
+                                    num_blocks, cfg, scale)
+            sels.append(select_blocks(qs, evict, positions, cfg))
+    selection = torch.cat(sels)
+    start = dense_rows
+    while start < n:  # chunk boundaries at multiples of row_chunk in absolute position
+        stop = min(n, (first + start) // row_chunk * row_chunk + row_chunk - first)
+        positions = torch.arange(first + start, first + stop, device=q.device)
+        outs.append(_attend_selected(q[start:stop], k, v, cis, selection[start:stop], positions, cfg, scale))
+        start = stop
+    return torch.cat(outs), selection
 
 
 def nosa_prefill_varlen(
@@ -97,108 +107,14 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     """Causal dense attention for the last n tokens (the dense_len path and a test yardstick).
     q [n, Hq, D], k/v [L, Hkv, D] -> [n, Hq, D]."""
     n, length = q.shape[0], k.shape[0]
+    dt = compute_dtype(q)
     positions = torch.arange(length - n, length, device=q.device)
     causal = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
-    bias = torch.zeros(n, k.shape[1], length, device=q.device).masked_fill(~causal[:, None, :], NEG_INF)
-    return _attend(q, k, v, bias, scale)
-
-
-class NosaDecodeState:
-    """Incremental NOSA state of one sequence in one layer.
-
-    Holds what the decode path needs beyond the KV itself: compressed keys [C, Hkv, D], token
-    eviction scores cis [L, Hkv], static block eviction scores [Hkv, NB], and the previous
-    selection [Hkv, K]. Everything grows linearly with the context (amortised doubling buffers).
-    The KV itself stays wherever the caller keeps it (HF cache, SGLang pool, host memory).
-    """
-
-    def __init__(self, cfg: NosaConfig, num_kv_heads: int, head_dim: int, device=None):
-        self.cfg = cfg
-        self.length = 0
-        self._ck = _Growable((num_kv_heads, head_dim), torch.float32, device)
-        self._cis = _Growable((num_kv_heads,), torch.float32, device)
-        self._evict = _Growable((num_kv_heads,), torch.float32, device, fill=NEG_INF)  # [NB, Hkv]
-        self.selection: torch.Tensor | None = None  # [Hkv, K]
-        self.entering: torch.Tensor | None = None  # [Hkv] blocks new in the last selection
-
-    @property
-    def num_windows(self) -> int:
-        return self._ck.size
-
-    def append(self, k_all: torch.Tensor, cis_new: torch.Tensor, slots: torch.Tensor | None = None) -> None:
-        """Account for m new tokens; cis_new: [m, Hkv].
-
-        k_all: the sequence's keys including the new ones, [L, Hkv, D]; or, with ``slots`` [L]
-        (long), a paged pool [N, Hkv, D] in which token i lives at row slots[i] (SGLang's
-        req_to_token row). Only the rows of the new compressed windows are read."""
-        cfg = self.cfg
-        new_length = self.length + cis_new.shape[0]
-        have = k_all.shape[0] if slots is None else slots.shape[0]
-        if have != new_length:
-            raise ValueError(f"NosaDecodeState.append: expected keys for {new_length} tokens, got {have}")
-        self._cis.extend(cis_new.detach().float())
-        first, total = self.num_windows, cfg.num_compressed(new_length)
-        if total > first:
-            lo = cfg.compress_stride * first
-            hi = cfg.compress_stride * (total - 1) + cfg.compress_kernel
-            rows = k_all[lo:hi] if slots is None else k_all.index_select(0, slots[lo:hi])
-            self._ck.extend(compress_windows(rows.detach().float(), cfg, 0, total - first))
-            window_cis = compress_windows(self._cis.view(), cfg, first, total - first)  # [c, Hkv]
-            num_blocks = cfg.num_blocks(new_length)
-            self._evict.grow_to(num_blocks)
-            pooled = pool_to_blocks(window_cis.transpose(0, 1), num_blocks, cfg, first_window=first)
-            evict = self._evict.view()
-            evict.copy_(torch.maximum(evict, pooled.transpose(0, 1)))
-        self.length = new_length
-
-    def select(self, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """Selection for the query of the last token. q: [Hq, D] -> [Hkv, K]."""
-        cfg = self.cfg
-        num_blocks = cfg.num_blocks(self.length)
-        positions = torch.tensor([self.length - 1], device=q.device)
-        qs = query_block_scores(q[None].detach(), self._ck.view(), positions, num_blocks, cfg, scale)
-        pooled = self._evict.view()[:num_blocks].transpose(0, 1)  # [Hkv, <=NB]
-        if pooled.shape[-1] < num_blocks:  # blocks without a complete window yet
-            pad = pooled.new_full((pooled.shape[0], num_blocks - pooled.shape[-1]), NEG_INF)
-            pooled = torch.cat([pooled, pad], dim=-1)
-        means = block_means(self._cis.view(), num_blocks, cfg.block_size)
-        evict = torch.stack([pooled, means], dim=-1)[None]  # [1, Hkv, NB, 2]
-        sel = select_blocks(qs, evict, positions, cfg)[0]
-        if self.selection is not None:
-            self.entering = blocks_entering(self.selection, sel)
-        self.selection = sel
-        return sel
-
-    def attend(
-        self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float,
-        slots: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Decode attention for the last token: q [Hq, D] -> [Hq, D]. k_all/v_all: [L, Hkv, D], or
-        paged pools [N, Hkv, D] with ``slots`` [L] as in ``append``.
-
-        Reads only the selected blocks (O(K * block_size) work), except below dense_len."""
-        cfg = self.cfg
-        sel = self.select(q, scale)
-        if self.length <= cfg.dense_len:
-            if slots is not None:
-                k_all, v_all = k_all.index_select(0, slots), v_all.index_select(0, slots)
-            return dense_attention(q[None], k_all, v_all, scale)[0]
-        hkv = k_all.shape[1]
-        offsets = torch.arange(cfg.block_size, device=q.device)
-        tokens = (sel.clamp(min=0)[..., None] * cfg.block_size + offsets).reshape(hkv, -1)  # [Hkv, K*B]
-        valid = ((sel >= 0)[..., None].expand(-1, -1, cfg.block_size).reshape(hkv, -1)) & (tokens < self.length)
-        tokens = tokens.clamp(max=self.length - 1)
-        rows = tokens if slots is None else slots[tokens]
-        k_sel = gather_heads(k_all, rows)  # [Hkv, K*B, D]
-        v_sel = gather_heads(v_all, rows)
-        cis = gather_heads(self._cis.view(), tokens).masked_fill(~valid, NEG_INF)  # [Hkv, K*B]
-        group = q.shape[0] // hkv
-        dt = _compute_dtype(q)
-        qg = q.to(dt).reshape(hkv, group, -1)
-        logits = torch.einsum("hgd,htd->hgt", qg, k_sel.to(dt)) * scale + cis.to(dt)[:, None, :]
-        probs = torch.softmax(logits, dim=-1)
-        out = torch.einsum("hgt,htd->hgd", probs, v_sel.to(dt))
-        return out.reshape(q.shape).to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q.to(dt).transpose(0, 1)[None], k.to(dt).transpose(0, 1)[None], v.to(dt).transpose(0, 1)[None],
+        attn_mask=causal, scale=scale, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 def gather_heads(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -218,85 +134,49 @@ def _attend_selected(
     scale: float,
 ) -> torch.Tensor:
     """Each row attends over its own selected blocks, at or before its position, token j weighted by
-    exp(cis_j); rows within dense_len attend densely without weights.
+    exp(cis_j). q [n, Hq, D]; k/v [L, Hkv, D]; cis [L, Hkv]; sel [n, Hkv, K]; positions [n].
 
-    q [n, Hq, D]; k/v [L, Hkv, D]; cis [L, Hkv]; sel [n, Hkv, K]; positions [n] -> [n, Hq, D].
-    Keys are gathered once for the union of the rows' blocks (per KV head) and masked per row.
+    One softmax over two key sets: the blocks shared by every row of the chunk (gathered once per
+    KV head, [Hkv, Ts]) and each row's remaining blocks (gathered per row, [n, Hkv, Te]).
     """
     n, hq, d = q.shape
-    hkv, bsz = k.shape[1], cfg.block_size
+    hkv, group = k.shape[1], hq // k.shape[1]
     last = int(positions[-1])
-    nb = cfg.num_blocks(last + 1)
-    dense_row = positions + 1 <= cfg.dense_len  # [n]
-    row_blocks = selection_mask(sel, nb)  # [n, Hkv, NB]
-    exists = torch.arange(nb, device=q.device)[None, :] <= (positions // bsz)[:, None]  # [n, NB]
-    row_blocks = row_blocks | (dense_row[:, None, None] & exists[:, None, :])
-    union = row_blocks.any(dim=0)  # [Hkv, NB]
-    width = int(union.sum(dim=-1).max())
-    # the union's blocks first (in block order), padding after them
-    ublocks = torch.sort(union.to(torch.int8), dim=-1, descending=True, stable=True).indices[:, :width]
-    offsets = torch.arange(bsz, device=q.device)
-    tokens = (ublocks[..., None] * bsz + offsets).reshape(hkv, width * bsz)  # [Hkv, T]
-    token_ok = union.gather(-1, ublocks).repeat_interleave(bsz, dim=-1) & (tokens <= last)
-    tokens = tokens.clamp(max=last)
-    k_sel, v_sel, cis_sel = (gather_heads(x, tokens) for x in (k, v, cis))  # [Hkv, T, D], [Hkv, T]
-    # masks and bias in [Hkv, n, T]: the layout of the batched matmuls below (no permuted copies)
-    allowed = row_blocks.transpose(0, 1).gather(-1, ublocks[:, None, :].expand(-1, n, -1))
-    allowed = allowed.repeat_interleave(bsz, dim=-1) & token_ok[:, None, :]
-    allowed = allowed & (tokens[:, None, :] <= positions[None, :, None])
-    weight = torch.where(dense_row[None, :, None], torch.zeros_like(cis_sel)[:, None, :], cis_sel[:, None, :])
-    bias = weight.masked_fill(~allowed, NEG_INF)
-    dt = _compute_dtype(q)
-    group = hq // hkv
-    qh = q.to(dt).reshape(n, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, n * group, d)
-    logits = torch.bmm(qh, k_sel.to(dt).transpose(1, 2)).view(hkv, n, group, -1) * scale
-    probs = torch.softmax(logits + bias.to(dt)[:, :, None, :], dim=-1)
-    out = torch.bmm(probs.view(hkv, n * group, -1), v_sel.to(dt))  # [Hkv, n*G, Dv]
-    return out.view(hkv, n, group, -1).permute(1, 0, 2, 3).reshape(n, hq, -1).to(q.dtype)
+    row_blocks = selection_mask(sel, cfg.num_blocks(last + 1))  # [n, Hkv, NB]
+    shared = row_blocks.all(dim=0)  # [Hkv, NB]
+    tok_s, ok_s = _block_tokens(shared, cfg.block_size, last)  # [Hkv, Ts]
+    tok_e, ok_e = _block_tokens(row_blocks & ~shared, cfg.block_size, last)  # [n, Hkv, Te]
+    ok_s = ok_s[:, None, :] & (tok_s[:, None, :] <= positions[None, :, None])  # [Hkv, n, Ts]
+    ok_e = ok_e & (tok_e <= positions[:, None, None])  # [n, Hkv, Te]
+
+    dt = compute_dtype(q)
+    qg = q.to(dt).reshape(n, hkv, group, d)
+    k_s, v_s, c_s = (gather_heads(x, tok_s).to(dt) for x in (k, v, cis))  # [Hkv, Ts, D], [Hkv, Ts]
+    logit_s = torch.einsum("nhgd,htd->nhgt", qg, k_s) * scale
+    logit_s = logit_s + c_s[None, :, None, :].masked_fill(~ok_s.transpose(0, 1)[:, :, None, :], NEG_INF)
+    flat_e = tok_e.transpose(0, 1).reshape(hkv, -1)  # [Hkv, n*Te]
+    k_e, v_e, c_e = (gather_heads(x, flat_e).to(dt) for x in (k, v, cis))
+    k_e = k_e.view(hkv, n, -1, d).transpose(0, 1)  # [n, Hkv, Te, D]
+    v_e = v_e.view(hkv, n, -1, v.shape[-1]).transpose(0, 1)
+    c_e = c_e.view(hkv, n, -1).transpose(0, 1)  # [n, Hkv, Te]
+    logit_e = torch.einsum("nhgd,nhtd->nhgt", qg, k_e) * scale + c_e.masked_fill(~ok_e, NEG_INF)[:, :, None, :]
+    probs = torch.softmax(torch.cat([logit_s, logit_e], dim=-1), dim=-1)
+    p_s, p_e = probs.split([logit_s.shape[-1], logit_e.shape[-1]], dim=-1)
+    out = torch.einsum("nhgt,htd->nhgd", p_s, v_s) + torch.einsum("nhgt,nhtd->nhgd", p_e, v_e)
+    return out.reshape(n, hq, -1).to(q.dtype)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale + bias) v with GQA. q [n, Hq, D], k/v [L, Hkv, D], bias [n, Hkv, L]."""
-    n, hq, d = q.shape
-    hkv = k.shape[1]
-    dt = _compute_dtype(q)
-    qg = q.to(dt).reshape(n, hkv, hq // hkv, d)
-    logits = torch.einsum("nhgd,lhd->nhgl", qg, k.to(dt)) * scale + bias.to(dt)[:, :, None, :]
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.einsum("nhgl,lhd->nhgd", probs, v.to(dt))
-    return out.reshape(n, hq, v.shape[-1]).to(q.dtype)
+def _block_tokens(mask: torch.Tensor, block_size: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks marked in mask [..., NB] -> their tokens [..., W * block_size] (W: the most blocks any
+    leading index marks) and whether each is real (a marked block, at or before ``last``)."""
+    width = int(mask.sum(dim=-1).max()) if mask.numel() else 0
+    blocks = torch.sort(mask.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
+    real = mask.gather(-1, blocks).repeat_interleave(block_size, dim=-1)
+    tokens = (blocks[..., None] * block_size + torch.arange(block_size, device=mask.device)).flatten(-2)
+    real = real & (tokens <= last)
+    return tokens.clamp(max=last), real
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """Softmax in at least fp32 (bf16/fp16 inputs are upcast; fp64 stays fp64 for gradcheck)."""
     return torch.promote_types(x.dtype, torch.float32)
-
-
-class _Growable:
-    """A [size, *row_shape] tensor with amortised O(1) appends (capacity doubling)."""
-
-    def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype, device, fill: float = 0.0):
-        self._buf = torch.full((16, *row_shape), fill, dtype=dtype, device=device)
-        self._fill = fill
-        self.size = 0
-
-    def _reserve(self, size: int) -> None:
-        if size > self._buf.shape[0]:
-            cap = max(size, 2 * self._buf.shape[0])
-            new = self._buf.new_full((cap, *self._buf.shape[1:]), self._fill)
-            new[: self.size] = self._buf[: self.size]
-            self._buf = new
-
-    def extend(self, rows: torch.Tensor) -> None:
-        self._reserve(self.size + rows.shape[0])
-        self._buf[self.size : self.size + rows.shape[0]] = rows
-        self.size += rows.shape[0]
-
-    def grow_to(self, size: int) -> None:
-        """Extend with fill rows up to ``size`` rows."""
-        if size > self.size:
-            self._reserve(size)
-            self.size = size
-
-    def view(self) -> torch.Tensor:
-        return self._buf[: self.size]

@@ -18,8 +18,9 @@ import os
 
 import torch
 
-from nosa.attention import NosaDecodeState, nosa_prefill
+from nosa.attention import nosa_prefill
 from nosa.config import CONFIG_KEY, NosaConfig
+from nosa.decode import NosaDecodeState
 from nosa.eviction import MODULE_NAME, EvictionHead
 
 ATTN_IMPLEMENTATION = "nosa"
