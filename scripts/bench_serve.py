@@ -1,0 +1,139 @@
+"""Decode throughput of SGLang's "nosa" backend vs "torch_native" on the same tiny model.
+
+    .venv/bin/python scripts/bench_serve.py [--quick] [--contexts 4096 8192 32768 65536] [--out results/serve.json]
+
+Builds a tiny random Llama (2 layers, hidden 256, GQA 8/2; a dense checkpoint, so the backend uses
+the released NosaConfig defaults: 64 blocks of 64 tokens, dense_len 4096), then for each backend
+starts one server (stopped before the next starts: an idle server keeps a core busy) and, for each
+context length, sends ``--batch`` concurrent greedy requests (see ``measure``: decode time per
+step is the difference of two runs over a cached prompt, so prefill is excluded). Contexts above
+the model's dense_len (4096) are where NOSA's selection applies. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build_model(path: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "serve"))
+    from sglang_tiny import make_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=131072,
+                         bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(path)
+    make_tokenizer(path)
+
+
+def _generate(url: str, prompt: list[int], new_tokens: int) -> None:
+    body = {"input_ids": prompt,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}}
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=7200) as r:
+        r.read()
+
+
+def _batch(url: str, prompts: list[list[int]], new_tokens: int) -> float:
+    """Seconds for the prompts to complete concurrently."""
+    start = time.perf_counter()
+    threads = [threading.Thread(target=_generate, args=(url, p, new_tokens)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
+def measure(server, context: int, batch: int, new_tokens: int, repeats: int = 2, short: int = 4) -> dict:
+    """Per-step decode time from two runs that differ only in the number of decode steps.
+
+    A first run prefills the prompts into the radix cache, so both timed runs prefill one token and
+    include the same one-off work (e.g. building NOSA's decode state); their difference is
+    ``new_tokens`` decode steps of the whole batch. The best of ``repeats`` pairs is kept (the
+    machine may be shared)."""
+    import torch
+
+    g = torch.Generator().manual_seed(context)
+    prompts = [torch.randint(0, 256, (context,), generator=g).tolist() for _ in range(batch)]
+    prefill_s = _batch(server.url, prompts, 1)
+    step_s = float("inf")
+    for _ in range(repeats):
+        t_short = _batch(server.url, prompts, short)
+        t_long = _batch(server.url, prompts, short + new_tokens)
+        step_s = min(step_s, (t_long - t_short) / new_tokens)
+    return {"context": context, "batch": batch, "decode_tokens_per_s": round(batch / step_s, 2),
+            "ms_per_decode_step": round(1000 * step_s, 2), "prefill_s": round(prefill_s, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 32768, 65536])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="OMP_NUM_THREADS of the servers (torch intra-op threads; default: all cores)")
+    ap.add_argument("--backends", nargs="+", default=["torch_native", "nosa"])
+    ap.add_argument("--quick", action="store_true", help="contexts 4K and 8K, 32 new tokens")
+    ap.add_argument("--out", default=os.path.join(ROOT, "results", "serve.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.contexts, args.new_tokens = [4096, 8192], 32
+
+    from nosa.config import NosaConfig
+    from nosa.serve.process import ServerProcess
+
+    work = tempfile.mkdtemp(prefix="nosa_bench_")
+    ckpt = os.path.join(work, "tiny-llama")
+    build_model(ckpt)
+    max_ctx = max(args.contexts) + args.new_tokens + 16
+    flags = ["--skip-server-warmup", "--dtype", "float32", "--chunked-prefill-size", "-1",
+             "--mem-fraction-static", "0.3", "--context-length", str(max_ctx),
+             "--max-total-tokens", str(args.batch * max_ctx + 1024),
+             "--max-running-requests", str(args.batch)]
+    results = []
+    for backend in args.backends:
+        env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
+        server = ServerProcess(ckpt, ["--attention-backend", backend, *flags],
+                               os.path.join(work, f"{backend}.log"), env=env).wait_ready()
+        try:
+            measure(server, 512, args.batch, 4, repeats=1)  # warm-up: first-call costs of a fresh server
+            for context in args.contexts:
+                row = {"backend": backend, **measure(server, context, args.batch, args.new_tokens, args.repeats)}
+                print(json.dumps(row), flush=True)
+                results.append(row)
+        finally:
+            server.stop()
+    speedup = {}
+    for context in args.contexts:
+        by = {r["backend"]: r for r in results if r["context"] == context}
+        if "nosa" in by and "torch_native" in by:
+            ratio = by["torch_native"]["ms_per_decode_step"] / by["nosa"]["ms_per_decode_step"]
+            speedup[str(context)] = round(ratio, 2)
+    report = {"model": "llama 2 layers, hidden 256, GQA 8/2, fp32, random weights",
+              "nosa_config": NosaConfig().to_dict(), "device": "cpu", "cpus": os.cpu_count(),
+              "threads": args.threads, "command": " ".join(sys.argv),
+              "results": results, "decode_speedup_nosa_over_torch_native": speedup}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(speedup))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""What the backend reads from the checkpoint: the NosaConfig and the eviction-head weights.
+
+A NOSA checkpoint (``nosa.convert`` + ``save_pretrained``, or nosa.train) stores its NosaConfig in
+config.json under "nosa" and the eviction heads as
+``model.layers.{i}.self_attn.nosa_evict.{proj.weight, proj.bias, scale}``. SGLang's model classes
+have no such parameters and its loader skips unknown tensors, so the backend reads them from the
+safetensors files itself. A dense checkpoint gets training-free selection (A = 0) and its
+NosaConfig from the NOSA_CONFIG environment variable (JSON text or a path to a JSON file) or the
+defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+from nosa.config import CONFIG_KEY, NosaConfig
+from nosa.eviction import MODULE_NAME, EvictionHead
+
+ENV_CONFIG = "NOSA_CONFIG"
+_PARAM = re.compile(rf"(?:^|\.)layers\.(\d+)\.self_attn\.{MODULE_NAME}\.(proj\.weight|proj\.bias|scale)$")
+
+
+def resolve_model_dir(model_path: str, revision: str | None = None) -> str:
+    """A local directory holding the checkpoint (downloads config + safetensors for a hub id)."""
+    if os.path.isdir(model_path):
+        return model_path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model_path, revision=revision, allow_patterns=["*.json", "*.safetensors"])
+
+
+def load_nosa_config(model_dir: str) -> tuple[NosaConfig, bool]:
+    """(config, from_checkpoint). Raises ValueError naming the file for a malformed section."""
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        data = json.load(f)
+    if CONFIG_KEY in data:
+        try:
+            return NosaConfig.from_dict(data[CONFIG_KEY]), True
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"nosa backend: malformed '{CONFIG_KEY}' section in {path}: {err}"
+            ) from err
+    return config_from_env(), False
+
+
+def config_from_env() -> NosaConfig:
+    """NosaConfig for a dense checkpoint: $NOSA_CONFIG (JSON text or a JSON file) or defaults."""
+    text = os.environ.get(ENV_CONFIG, "").strip()
+    if not text:
+        return NosaConfig()
+    if not text.startswith("{"):
+        if not os.path.isfile(text):
+            raise ValueError(f"nosa backend: ${ENV_CONFIG}={text!r} is neither JSON nor a file")
+        with open(text) as f:
+            text = f.read()
+    try:
+        return NosaConfig.from_json(text)
+    except (TypeError, ValueError) as err:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"nosa backend: malformed ${ENV_CONFIG}: {err}") from err
+
+
+def load_eviction_heads(
+    model_dir: str, num_layers: int, num_kv_heads: int, head_dim: int, device
+) -> list[EvictionHead]:
+    """One float32 EvictionHead per layer with the checkpoint's W, b, A.
+
+    Raises ValueError when a layer's tensors are missing or have the wrong shape."""
+    from safetensors import safe_open
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    found: dict[tuple[int, str], torch.Tensor] = {}
+    for name in files:
+        with safe_open(os.path.join(model_dir, name), framework="pt") as f:
+            for key in f.keys():
+                m = _PARAM.search(key)
+                if m and int(m.group(1)) < num_layers:
+                    found[(int(m.group(1)), m.group(2))] = f.get_tensor(key)
+    heads = []
+    for layer in range(num_layers):
+        head = EvictionHead(num_kv_heads, head_dim, device=device, dtype=torch.float32)
+        state = {}
+        for part in ("proj.weight", "proj.bias", "scale"):
+            if (layer, part) not in found:
+                raise ValueError(
+                    f"nosa backend: {model_dir} has a '{CONFIG_KEY}' section but no tensor "
+                    f"model.layers.{layer}.self_attn.{MODULE_NAME}.{part}"
+                )
+            state[part] = found[(layer, part)].float()
+        try:
+            head.load_state_dict(state)
+        except RuntimeError as err:
+            raise ValueError(
+                f"nosa backend: eviction head of layer {layer} in {model_dir} does not fit "
+                f"{num_kv_heads} KV heads x head_dim {head_dim}: {err}"
+            ) from err
+        heads.append(head.requires_grad_(False))
+    return heads
+
+
+def zero_eviction_heads(num_layers: int, num_kv_heads: int, head_dim: int, device) -> list[EvictionHead]:
+    """A = 0 heads for a dense checkpoint (cis == 0: training-free selection)."""
+    heads = []
+    for _ in range(num_layers):
+        head = EvictionHead(num_kv_heads, head_dim, device=device, dtype=torch.float32)
+        torch.nn.init.zeros_(head.proj.weight)
+        torch.nn.init.zeros_(head.proj.bias)
+        heads.append(head.requires_grad_(False))
+    return heads

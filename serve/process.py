@@ -1,0 +1,95 @@
+"""Start and stop a local SGLang server in a subprocess (used by tests/serve and scripts/).
+
+``SGLANG_USE_CPU_ENGINE`` is read by SGLang at import time, so it is set in the child's
+environment here, never by the plugin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m sglang.launch_server`` on 127.0.0.1; ``start()`` returns once /health answers."""
+
+    def __init__(self, model_path: str, args: list[str], log_path: str, env: dict | None = None,
+                 device: str = "cpu"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+               "--host", "127.0.0.1", "--port", str(self.port), "--device", device, *args]
+        child_env = dict(os.environ, **(env or {}))
+        if device == "cpu":
+            child_env["SGLANG_USE_CPU_ENGINE"] = "1"
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=child_env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 240.0) -> "ServerProcess":
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"SGLang server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"SGLang server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def post(self, path: str, payload: dict, timeout: float = 300.0) -> tuple[int, dict | str]:
+        """(HTTP status, decoded JSON body or text)."""
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                status, body = r.status, r.read().decode()
+        except urllib.error.HTTPError as err:
+            status, body = err.code, err.read().decode()
+        try:
+            return status, json.loads(body)
+        except json.JSONDecodeError:
+            return status, body
+
+    def generate(self, input_ids: list[int], max_new_tokens: int, **extra) -> list[int]:
+        """Greedy completion ids (EOS ignored)."""
+        params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+        status, body = self.post("/generate", {"input_ids": input_ids, "sampling_params": params, **extra})
+        if status != 200:
+            raise RuntimeError(f"/generate returned {status}: {body}")
+        return body["output_ids"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)  # the server and the children it spawned
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self._log.close()

@@ -1,0 +1,94 @@
+"""Per-request NOSA decode state, owned by the backend and freed with the request.
+
+One ``NosaDecodeState`` per (req_to_token row, layer). The registry is attached to SGLang's
+ReqToTokenPool as its aux cache, so ``free(row)`` runs when a request finishes, is aborted or is
+retracted (ReqToTokenPool.free_rows) and ``clear()`` when the pool is flushed. Rows are reused by
+later requests; the pool's per-row generation counter (bumped on every allocation) guards against
+trusting a state that belongs to an earlier request of the same row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+from nosa.decode import NosaDecodeState
+
+ENV_STATS_FILE = "NOSA_SERVE_STATS_FILE"  # debug: the registry writes its counts here
+
+
+class RequestStates:
+    """Decode states keyed by row, tagged with the row's generation when created."""
+
+    def __init__(self, req_to_token_pool, num_layers: int, dense_capacity: int):
+        self.pool = req_to_token_pool
+        self.num_layers = num_layers
+        self.dense_capacity = dense_capacity  # ReqToTokenPool.schedulable_token_capacity reads it
+        self._rows: dict[int, tuple[int, list[NosaDecodeState | None]]] = {}
+        self._freed: dict[int, int] = {}  # row -> generation it was freed at
+        self._lock = threading.Lock()  # free() may come from the scheduler while a forward runs
+        self._stats_file = os.environ.get(ENV_STATS_FILE)
+        self.freed_total = 0
+
+    def _generation(self, row: int) -> int:
+        return int(self.pool.req_generation[row])
+
+    # ---- used by the backend ---------------------------------------------------------------
+    def get(self, row: int, layer: int) -> NosaDecodeState | None:
+        with self._lock:
+            entry = self._rows.get(row)
+            if entry is None:
+                return None
+            generation, layers = entry
+            if generation != self._generation(row):  # the row now holds another request
+                del self._rows[row]
+                return None
+            return layers[layer]
+
+    def put(self, row: int, layer: int, state: NosaDecodeState) -> None:
+        with self._lock:
+            generation = self._generation(row)
+            if self._freed.get(row) == generation:
+                return  # the request was already released (overlap scheduling): keep nothing
+            entry = self._rows.get(row)
+            if entry is None or entry[0] != generation:
+                entry = (generation, [None] * self.num_layers)
+                self._rows[row] = entry
+            entry[1][layer] = state
+        self._write_stats()
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "requests": len(self._rows),
+                "layer_states": sum(s is not None for _, layers in self._rows.values() for s in layers),
+                "freed_total": self.freed_total,
+            }
+
+    # ---- ReqToTokenPool aux-cache protocol ---------------------------------------------------
+    def free(self, row: int) -> None:
+        with self._lock:
+            self._rows.pop(row, None)
+            self._freed[row] = self._generation(row)
+            self.freed_total += 1
+        self._write_stats()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rows.clear()
+        self._write_stats()
+
+    def alloc_to_lengths(self, *, req_pool_indices_cpu, target_seq_lens_cpu) -> None:
+        pass  # states grow inside the forward pass
+
+    def reset_allocator(self) -> None:
+        self.clear()
+
+    def _write_stats(self) -> None:
+        if not self._stats_file:
+            return
+        tmp = f"{self._stats_file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.counts(), f)
+        os.replace(tmp, self._stats_file)

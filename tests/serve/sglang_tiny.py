@@ -1,0 +1,97 @@
+"""Tiny Llama checkpoints (random weights, byte-level tokenizer) for the serving tests.
+
+Built locally, no downloads: ``make_checkpoint(dir, nosa=...)`` writes config.json, safetensors and
+a tokenizer that SGLang and transformers both load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+VOCAB = 320  # 256 bytes + specials, padded
+
+
+def make_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
+    vocab["<s>"] = len(vocab)
+    vocab["</s>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+
+
+def make_checkpoint(path: str, nosa_config=None, seed: int = 0, evict_scale: float = 0.0) -> str:
+    """A 2-layer Llama (hidden 128, GQA 4/2, head_dim 32). With ``nosa_config`` the model is
+    converted by nosa.convert and its eviction heads get random weights and A = ``evict_scale``,
+    so the checkpoint carries a ``nosa`` section and non-zero eviction heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import nosa
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        bos_token_id=256,
+        eos_token_id=257,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger logits so greedy ties are unlikely
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    if nosa_config is not None:
+        nosa.convert(model, nosa_config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".nosa_evict.proj." in name:
+                    p.normal_(0.0, 0.3)
+                elif name.endswith(".nosa_evict.scale"):
+                    p.fill_(evict_scale)
+        model.config._attn_implementation = "sdpa"  # keep config.json loadable without nosa
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    make_tokenizer(path)
+    with open(os.path.join(path, "config.json")) as f:
+        saved = json.load(f)
+    if nosa_config is not None:
+        assert "nosa" in saved, "nosa.convert should store the config under 'nosa'"
+    return path
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Manual greedy loop with the KV cache: prefill the prompt, then one token per step (so the
+    HF model runs prefill rows through nosa_prefill and decode through NosaDecodeState)."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    past = out.past_key_values
+    token = int(out.logits[0, -1].argmax())
+    generated = [token]
+    for _ in range(max_new_tokens - 1):
+        out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        token = int(out.logits[0, -1].argmax())
+        generated.append(token)
+    return generated
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (length,), generator=g).tolist()

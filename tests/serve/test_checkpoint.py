@@ -1,0 +1,67 @@
+"""nosa.serve.checkpoint: NosaConfig and eviction heads read back from a checkpoint (no SGLang)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import sglang_tiny as tiny  # tests/serve is on sys.path (rootdir-relative import mode)
+import torch
+
+import nosa
+from nosa.serve.checkpoint import load_eviction_heads, load_nosa_config
+
+CFG = nosa.NosaConfig.tiny(dense_len=64)
+
+
+@pytest.fixture(scope="module")
+def nosa_ckpt(tmp_path_factory):
+    return tiny.make_checkpoint(str(tmp_path_factory.mktemp("nosa")), CFG, evict_scale=0.7)
+
+
+def test_config_and_heads_match_hf(nosa_ckpt):
+    cfg, from_ckpt = load_nosa_config(nosa_ckpt)
+    assert from_ckpt and cfg == CFG
+    heads = load_eviction_heads(nosa_ckpt, num_layers=2, num_kv_heads=2, head_dim=32, device="cpu")
+    model = nosa.from_pretrained(nosa_ckpt, torch_dtype=torch.float32)
+    v = torch.randn(5, 2, 32)
+    for layer, head in zip(model.model.layers, heads):
+        expected = layer.self_attn.nosa_evict(v)
+        assert torch.equal(head(v), expected)
+        assert expected.abs().sum() > 0  # non-zero eviction heads
+
+
+def test_malformed_section_is_a_clear_error(nosa_ckpt, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with open(os.path.join(nosa_ckpt, "config.json")) as f:
+        config = json.load(f)
+    config["nosa"]["topk_blocks"] = 2
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"malformed 'nosa' section .*topk_blocks=2"):
+        load_nosa_config(str(bad))
+    config["nosa"] = {"block_sise": 16}
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unknown field"):
+        load_nosa_config(str(bad))
+
+
+def test_missing_eviction_head_is_a_clear_error(nosa_ckpt):
+    with pytest.raises(ValueError, match=r"layers\.2\.self_attn\.nosa_evict"):
+        load_eviction_heads(nosa_ckpt, num_layers=3, num_kv_heads=2, head_dim=32, device="cpu")
+
+
+def test_dense_checkpoint_config_from_env(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    monkeypatch.delenv("NOSA_CONFIG", raising=False)
+    assert load_nosa_config(str(tmp_path)) == (nosa.NosaConfig(), False)
+    monkeypatch.setenv("NOSA_CONFIG", CFG.to_json())
+    assert load_nosa_config(str(tmp_path)) == (CFG, False)
+    path = tmp_path / "nosa.json"
+    path.write_text(CFG.to_json())
+    monkeypatch.setenv("NOSA_CONFIG", str(path))
+    assert load_nosa_config(str(tmp_path)) == (CFG, False)
+    monkeypatch.setenv("NOSA_CONFIG", '{"topk_blocks": 0}')
+    with pytest.raises(ValueError, match="malformed \\$NOSA_CONFIG"):
+        load_nosa_config(str(tmp_path))
