@@ -13,22 +13,23 @@ Selection for a query at position t (context length t + 1, current block cur = t
    blocks). Q = F | P is the query-aware set.
 3. The rest of the budget, ``K - |Q|`` blocks, goes to the blocks with the highest static eviction
    score (the eviction head ``cis`` max-pooled onto blocks). Max pooling gives two neighbouring
-   blocks the same score whenever their best window straddles the boundary, so ties are common;
-   they are broken by the static block mean of ``cis``, then by the query-aware score, then by the
-   lower block index. The result is deterministic, and with A = 0 (every eviction score 0) the
-   selection is exactly InfLLM-v2's query-aware top-K.
+   blocks the same score whenever their best window straddles the boundary, and repeated text gives
+   distant blocks identical keys, so ties are common: they are broken by the static block mean of
+   ``cis``, then by the lower block index, which keeps this part static. A KV head whose eviction
+   head is off (A = 0, every static key exactly 0) ranks these blocks by the query-aware score
+   instead (then by index): that is exactly InfLLM-v2's query-aware top-K, the training-free mode.
 
 If at most K blocks exist, all of them are selected.
 
-Locality theorem. Let the static keys (pooled score, block mean) of distinct blocks be distinct
-(true almost surely once A != 0). Then between two consecutive decode steps at most
-``query_blocks + 1`` blocks enter the selection, and the ``+ 1`` (the new current block) only on a
-step that starts a new block.
+Locality theorem. For a KV head whose eviction head is on (A != 0), between two consecutive decode
+steps at most ``query_blocks + 1`` blocks enter the selection, and the ``+ 1`` (the new current
+block) only on a step that starts a new block.
 Proof sketch: let CAND be the blocks outside F and n = K - |F|. Every block among the top
 ``n - query_blocks`` of CAND by eviction score is selected (at most ``query_blocks`` of the blocks
 ranked above it are free picks). NosaConfig requires a block's pooled scores to be final before it
-leaves the window, so eviction scores of CAND are static; from one step to the next CAND gains at
-most the block that just left the window (which was selected as part of F) and loses none. Hence the
+leaves the window, and ties fall to the block index, so the ranking of CAND is static; from one step
+to the next CAND gains at most the block that just left the window (which was selected as part of
+F) and loses none. Hence the
 static top ``n - query_blocks`` of the new step were all selected before, and a new block can only be
 one of the ``query_blocks`` other selected blocks or the window's new current block. With A = 0 the
 ranking falls to the query-aware score and only the budget bounds the churn.
@@ -109,8 +110,10 @@ def select_blocks(
         in_query_set = in_query_set | _scatter_mask(order, picked, nb)
 
     # Lexicographic ranking: (query set, eviction score, block mean, query score, -index), built
-    # from stable sorts applied from the least to the most significant key.
-    perm = _stable_argsort_desc(qs)
+    # from stable sorts applied from the least to the most significant key. The query score only
+    # ranks for heads whose eviction head is off (every existing static key exactly 0).
+    live = (exists[..., None] & torch.isfinite(evict) & (evict != 0)).flatten(-2).any(-1)  # [R, Hkv]
+    perm = _stable_argsort_desc(qs.masked_fill(live[..., None], 0.0))
     for key in (evict[..., 1], evict[..., 0]):
         perm = perm.gather(-1, _stable_argsort_desc(key.gather(-1, perm)))
     tier = exists.to(torch.int8) + in_query_set.to(torch.int8)  # 2: Q, 1: other, 0: future

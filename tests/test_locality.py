@@ -22,12 +22,15 @@ def configs(draw):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=configs(), seed=st.integers(0, 2**16), steps=st.integers(200, 260))
-def test_blocks_entering_per_step_never_exceed_the_bound(cfg, seed, steps):
+@given(cfg=configs(), seed=st.integers(0, 2**16), steps=st.integers(200, 260), repeat=st.booleans())
+def test_blocks_entering_per_step_never_exceed_the_bound(cfg, seed, steps, repeat):
     torch.manual_seed(seed)
     steps = max(steps, (cfg.topk_blocks + 4) * cfg.block_size)  # the budget must bind for a while
     hq, hkv, d = 4, 2, 4
     q, k, v = torch.randn(steps, hq, d), torch.randn(steps, hkv, d), torch.randn(steps, hkv, d)
+    if repeat:  # repeated text: V repeats with a period, so distant blocks tie exactly
+        period = cfg.block_size * 3
+        v = v[:period].repeat(steps // period + 1, 1, 1)[:steps]
     head = EvictionHead(hkv, d)
     with torch.no_grad():
         head.scale.uniform_(0.2, 2.0)  # a trained (non-zero) eviction head

@@ -20,19 +20,23 @@ def oracle_select(qs, evict, t, cfg):
     picks = sorted(cand, key=lambda b: (-qs[b], b))[: cfg.query_blocks]
     chosen = forced | set(picks)
     rest = [b for b in blocks if b not in chosen]
-    rest.sort(key=lambda b: (-evict[b][0], -evict[b][1], -qs[b], b))
+    live = any(x != 0 and math.isfinite(x) for b in blocks for x in evict[b])
+    rest.sort(key=lambda b: (-evict[b][0], -evict[b][1], 0.0 if live else -qs[b], b))
     chosen |= set(rest[: cfg.topk_blocks - len(chosen)])
     return sorted(chosen)
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("zero_eviction", [False, True])
-def test_select_matches_oracle(seed, zero_eviction):
+@pytest.mark.parametrize("eviction", ["random", "zero", "repeated"])
+def test_select_matches_oracle(seed, eviction):
     torch.manual_seed(seed)
     cfg = NosaConfig.tiny(topk_blocks=6, query_blocks=2, window_blocks=2)
     length, hq, hkv, d = 200, 4, 2, 8
     q, k = torch.randn(length, hq, d), torch.randn(length, hkv, d)
-    cis = torch.zeros(length, hkv) if zero_eviction else torch.randn(length, hkv)
+    cis = torch.zeros(length, hkv) if eviction == "zero" else torch.randn(length, hkv)
+    if eviction == "repeated":  # repeated text: whole blocks with identical scores (exact ties)
+        cis[64:112] = cis[0:48]
+        cis[128:144] = cis[32:48]
     nb = cfg.num_blocks(length)
     positions = torch.arange(length)
     qs = query_block_scores(q, compress_windows(k, cfg), positions, nb, cfg, d**-0.5)
