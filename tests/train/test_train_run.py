@@ -1,0 +1,158 @@
+"""End-to-end runs of the smoke config in this process (one rank, ZeRO-2 over gloo): a dense step,
+conversion, two NOSA steps, checkpoints, resume, and the offline W&B run."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import nosa
+from nosa.train import checkpoint
+from nosa.train.config import load_config
+from nosa.train.loop import run
+
+SMOKE = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "train", "smoke.yaml")
+
+
+def _metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {row["step"]: row for row in map(json.loads, f)}
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    """dense_steps=1 then 2 NOSA steps, a checkpoint after every step past the first."""
+    tmp = str(tmp_path_factory.mktemp("first"))
+    os.chdir(os.path.join(os.path.dirname(__file__), "..", ".."))
+    overrides = [
+        f"out_dir={tmp}/run",
+        f"data.synthetic.dir={tmp}/data",
+        "dense_steps=1",
+        "steps=2",
+        "save_every=1",
+        "keep_checkpoints=2",
+    ]
+    cfg = load_config(SMOKE, overrides)
+    result = run(cfg)
+    return cfg, result
+
+
+def test_finite_loss_and_checkpoints(first):
+    cfg, result = first
+    rows = _metrics(cfg.out_dir)
+    assert sorted(rows) == [1, 2, 3]
+    assert all(math.isfinite(r["train/loss"]) for r in rows.values())
+    assert rows[1]["train/phase"] == 0 and rows[3]["train/phase"] == 1
+    ckpts = sorted(os.listdir(os.path.join(cfg.out_dir, "checkpoints")))
+    # step 1 ends the dense phase (kept), steps 2 and 3 are the newest two.
+    assert ckpts == ["step-000001", "step-000002", "step-000003"]
+    assert os.path.realpath(os.path.join(cfg.out_dir, "dense")).endswith("step-000001")
+    assert os.path.realpath(os.path.join(cfg.out_dir, "nosa")).endswith("step-000003")
+    final = os.path.join(cfg.out_dir, "checkpoints", "step-000003")
+    with open(os.path.join(final, "config.json")) as f:
+        assert json.load(f)["nosa"] == cfg.nosa_config.to_dict()
+    with open(os.path.join(cfg.out_dir, "dense", "config.json")) as f:
+        assert "nosa" not in json.load(f)
+    for name in ("nosa_train.json", "trainer_state.json", "tokenizer.json", "model.safetensors"):
+        assert os.path.isfile(os.path.join(final, name)), name
+    assert checkpoint.read_state(final)["step"] == 3
+
+
+def test_checkpoint_reloads_identical_logits(first):
+    cfg, result = first
+    path = os.path.join(cfg.out_dir, "checkpoints", "step-000003")
+    model = result["model"].eval()
+    loaded = nosa.from_pretrained(path).eval()  # the loader the serving backend uses
+    from transformers import AutoConfig
+
+    from nosa.hf import nosa_config_of
+
+    assert nosa_config_of(AutoConfig.from_pretrained(path)) == cfg.nosa_config
+    ids = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+    assert torch.equal(want, got)
+    evict = [n for n, _ in loaded.named_parameters() if "nosa_evict" in n]
+    assert evict and any(p.abs().sum() > 0 for n, p in loaded.named_parameters() if n.endswith("nosa_evict.scale"))
+
+
+def test_resume_gives_the_same_next_step_loss(first, tmp_path):
+    cfg, _ = first
+    ckpt = os.path.join(cfg.out_dir, "checkpoints", "step-000002")
+    overrides = [
+        f"out_dir={tmp_path}/resumed",
+        f"data.synthetic.dir={cfg.data.synthetic.dir}",
+        "dense_steps=1",
+        "steps=2",
+        f"resume={ckpt}",
+        "wandb.mode=disabled",
+    ]
+    run(load_config(SMOKE, overrides))
+    resumed = _metrics(f"{tmp_path}/resumed")
+    assert sorted(resumed) == [3]
+    uninterrupted = _metrics(cfg.out_dir)[3]["train/loss"]
+    assert resumed[3]["train/loss"] == pytest.approx(uninterrupted, rel=1e-6, abs=1e-6)
+
+
+def test_offline_wandb_run_holds_the_logged_keys(first):
+    from wandb_report import read_run
+
+    cfg, _ = first
+    wandb_run = read_run(cfg.out_dir)
+    keys = {k for row in wandb_run["history"] for k in row}
+    for key in (
+        "train/loss",
+        "train/tokens_per_s",
+        "lr/base",
+        "lr/evict",
+        "evict_A/layer0",
+        "evict_A/layer1",
+        "select/churn_mean",
+        "select/churn_max",
+        "select/mass",
+        "select/mass/layer0",
+        "eval/acc",
+        "eval/loss",
+    ):
+        assert key in keys, key
+    assert wandb_run["config"]["nosa"] == cfg.nosa
+    assert wandb_run["config"]["seq_len"] == cfg.seq_len
+
+
+class _FailingEngine:
+    def __init__(self, module):
+        self.module = module
+
+    def save_checkpoint(self, *args, **kwargs):
+        raise OSError("disk full")
+
+
+def test_interrupted_save_leaves_no_checkpoint(tmp_path, first):
+    cfg, result = first
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(_FailingEngine(result["model"]), _Tok(), {}, str(tmp_path), 7, {})
+    assert checkpoint.latest(str(tmp_path)) is None
+    assert not any(name.startswith("step-") for name in os.listdir(tmp_path / "checkpoints"))
+
+
+class _Tok:
+    def save_pretrained(self, path):
+        open(os.path.join(path, "tokenizer.json"), "w").close()
+
+
+def test_checkpoint_is_accepted_by_the_serving_loader(first):
+    serve_ckpt = pytest.importorskip("nosa.serve.checkpoint")
+    cfg, result = first
+    path = os.path.join(cfg.out_dir, "nosa")
+    config, from_checkpoint = serve_ckpt.load_nosa_config(path)
+    assert from_checkpoint and config == cfg.nosa_config
+    hf = result["model"].config
+    heads = serve_ckpt.load_eviction_heads(
+        path, hf.num_hidden_layers, hf.num_key_value_heads, hf.hidden_size // hf.num_attention_heads, "cpu"
+    )
+    trained = result["model"].model.layers[1].self_attn.nosa_evict
+    assert torch.equal(heads[1].scale, trained.scale.detach().float())
+    assert torch.equal(heads[1].proj.weight, trained.proj.weight.detach().float())

@@ -1,0 +1,42 @@
+"""``python -m nosa.train --config configs/train/tiny.yaml [key=value ...]``
+
+Also under ``torchrun --nproc_per_node N -m nosa.train ...`` or the ``deepspeed`` launcher.
+Bad input (unknown key, missing file, inconsistent sizes, unsupported checkpoint) exits with a
+one-line message before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Offline before transformers / datasets are imported: there is no hub access.
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(var, "1")
+    os.environ.setdefault("WANDB_MODE", "offline")
+    parser = argparse.ArgumentParser(prog="python -m nosa.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="YAML run config (configs/train/*.yaml)")
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    parser.add_argument("overrides", nargs="*", help="key=value, dotted for sections: optim.lr=1e-3")
+    args = parser.parse_args(argv)
+
+    from nosa.train.config import load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ValueError as err:
+        raise SystemExit(f"nosa.train: error: {err}") from None
+    from nosa.train.loop import run
+
+    try:
+        run(cfg)
+    except ValueError as err:
+        raise SystemExit(f"nosa.train: error: {err}") from None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""TrainConfig: the run configuration of ``python -m nosa.train``, read from YAML plus
+``key=value`` overrides (dotted keys reach into sections: ``optim.lr=1e-3``).
+
+Every key is known in advance: an unknown key, a wrong type or an inconsistent value raises
+ValueError naming the field before anything is written to disk. The NosaConfig section is checked
+by NosaConfig itself, so one config flows from the command line into the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from nosa.config import NosaConfig
+from nosa.train.synthetic import TASKS
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelSection:
+    path: str | None = None  # local HF checkpoint (dense or NOSA); None: build from `build`
+    build: dict[str, Any] = field(default_factory=dict)  # e.g. {model_type: llama, hidden_size: 128}
+
+
+@dataclass
+class TokenizerSection:
+    path: str | None = None  # None: the model path, or a locally trained byte-level BPE
+    vocab_size: int = 512  # for the locally trained tokenizer
+
+
+@dataclass
+class SyntheticSection:
+    dir: str = "data/synthetic"  # where the generated dataset (jsonl + meta.json) lives
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    train_examples: int = 2000
+    heldout_examples: int = 64
+    seed: int = 1234
+
+
+@dataclass
+class DataSection:
+    synthetic: SyntheticSection | None = None  # None: use `train_files`
+    train_files: list[str] = field(default_factory=list)  # local .jsonl/.json/.parquet/.txt
+    eval_files: list[str] = field(default_factory=list)
+    text_field: str = "text"
+    loss_on: str = "all"  # "all" tokens or only the answer "targets" (examples with targets spans)
+    num_proc: int = 1
+
+
+@dataclass
+class OptimSection:
+    lr: float = 3e-4  # everything but the eviction heads
+    lr_evict: float = 1e-3  # eviction heads (W, b, A)
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # cosine decay floor
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+
+
+@dataclass
+class WandbSection:
+    mode: str | None = None  # None: $WANDB_MODE or "offline"; "online" needs a key; "disabled"
+    project: str = "nosa"
+    name: str | None = None
+    dir: str | None = None  # default: <out_dir>
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/default"
+    seed: int = 0
+    seq_len: int = 2048
+    micro_batch: int = 1
+    grad_accum: int = 1
+    dense_steps: int = 0  # dense training before conversion (0 for a pretrained dense LM)
+    steps: int = 100  # NOSA fine-tuning steps after conversion
+    dense_lr: float | None = None  # lr of the dense phase (default optim.lr)
+    freeze_base: bool = False  # NOSA phase: train the eviction heads only
+    eval_every: int = 50  # and at the last step of each phase; 0: only at the last step
+    eval_examples: int = 32
+    save_every: int = 0  # 0: only at the end of each phase
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    stats_every: int = 0  # selection statistics (default: with eval)
+    resume: str | None = None  # a checkpoint dir, or "auto" (latest under out_dir)
+    deepspeed: str = "configs/deepspeed/zero2.json"
+    progress: bool = True
+    nosa: dict[str, Any] = field(default_factory=dict)
+    model: ModelSection = field(default_factory=ModelSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    wandb: WandbSection = field(default_factory=WandbSection)
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def nosa_config(self) -> NosaConfig:
+        return NosaConfig.from_dict(dict(self.nosa))
+
+    @property
+    def total_steps(self) -> int:
+        return self.dense_steps + self.steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Raise ValueError for values that cannot work. Touches nothing on disk."""
+        for name in ("seq_len", "micro_batch", "grad_accum", "eval_examples", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("dense_steps", "steps", "eval_every", "save_every", "stats_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.total_steps < 1:
+            raise ValueError("dense_steps + steps must be >= 1")
+        cfg = self.nosa_config  # NosaConfig raises ValueError naming the field
+        if self.seq_len % cfg.block_size:
+            raise ValueError(f"seq_len={self.seq_len} must be a multiple of nosa.block_size={cfg.block_size}")
+        if self.model.path is None and not self.model.build:
+            raise ValueError("model: set model.path (a local checkpoint) or model.build (a config)")
+        if self.model.path is not None:
+            check_model_path(self.model.path)
+        if self.model.build:
+            kind = self.model.build.get("model_type", "llama")
+            if kind not in SUPPORTED_MODEL_TYPES:
+                raise ValueError(
+                    f"model.build.model_type={kind!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
+                )
+        if self.tokenizer.path is not None and not os.path.isdir(self.tokenizer.path):
+            raise ValueError(f"tokenizer.path={self.tokenizer.path!r} is not a directory")
+        if self.data.synthetic is None and not self.data.train_files:
+            raise ValueError("data: set data.synthetic or data.train_files")
+        for path in self.data.train_files + self.data.eval_files:
+            if not os.path.isfile(path):
+                raise ValueError(f"data file not found: {path!r}")
+            if not path.endswith((".jsonl", ".json", ".parquet", ".txt", ".text")):
+                raise ValueError(f"data file {path!r}: expected .jsonl, .json, .parquet or .txt")
+        if self.data.synthetic is not None:
+            bad = sorted(set(self.data.synthetic.tasks) - set(TASKS))
+            if bad or not self.data.synthetic.tasks:
+                raise ValueError(f"data.synthetic.tasks: unknown {bad}; known tasks are {list(TASKS)}")
+        if self.data.loss_on not in ("all", "targets"):
+            raise ValueError(f"data.loss_on={self.data.loss_on!r}: use all or targets")
+        if self.wandb.mode not in (None, "offline", "online", "disabled"):
+            raise ValueError(f"wandb.mode={self.wandb.mode!r}: use offline, online or disabled")
+        if not os.path.isfile(self.deepspeed):
+            raise ValueError(f"deepspeed config not found: {self.deepspeed!r}")
+        if self.resume not in (None, "auto") and not os.path.isdir(self.resume):
+            raise ValueError(f"resume={self.resume!r} is not a checkpoint directory")
+
+
+def check_model_path(path: str) -> str:
+    """The model_type of a local checkpoint; ValueError unless it is a supported causal LM."""
+    import json
+
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"model.path={path!r} is not a Hugging Face checkpoint (no config.json)")
+    with open(config_file) as f:
+        data = json.load(f)
+    kind = data.get("model_type")
+    archs = data.get("architectures") or []
+    if kind not in SUPPORTED_MODEL_TYPES or (archs and not any(a.endswith("ForCausalLM") for a in archs)):
+        raise ValueError(
+            f"model.path={path!r} holds model_type={kind!r} architectures={archs}; nosa.train needs a "
+            f"causal LM of type {list(SUPPORTED_MODEL_TYPES)} (*ForCausalLM)"
+        )
+    return kind
+
+
+# ---- loading -----------------------------------------------------------------------------------
+def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read YAML (or nothing), apply ``a.b=value`` overrides (values parsed as YAML), validate."""
+    import yaml
+
+    raw: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ValueError(f"config file not found: {path!r}")
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected key=value")
+        key, value = item.split("=", 1)
+        _set_dotted(raw, key.strip(), yaml.safe_load(value))
+    cfg = _build(TrainConfig, raw, "")
+    cfg.validate()
+    return cfg
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = tree.get(part)
+        if node is None:
+            node = tree[part] = {}
+        if not isinstance(node, dict):
+            raise ValueError(f"override {key!r}: {part!r} is not a section")
+        tree = node
+    tree[parts[-1]] = value
+
+
+def _build(cls, raw: Any, where: str):
+    if not isinstance(raw, dict):
+        raise ValueError(f"config section {where or '<top>'!r} must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ValueError(
+            f"unknown config key(s) {[prefix + k for k in unknown]}; known keys in "
+            f"{where or 'the top level'} are {sorted(fields)}"
+        )
+    kwargs = {}
+    for name, value in raw.items():
+        sub = _SECTIONS.get((cls, name))
+        if sub is not None and value is not None:
+            value = _build(sub, value, f"{where}.{name}" if where else name)
+        kwargs[name] = _check_type(cls, fields[name], value, where)
+    return cls(**kwargs)
+
+
+def _check_type(cls, f, value, where):
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    name = f"{where}.{f.name}" if where else f.name
+    if value is None or default is None or dataclasses.is_dataclass(value):
+        return value
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, float):
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    elif isinstance(default, list):
+        ok = isinstance(value, list)
+    elif isinstance(default, dict):
+        ok = isinstance(value, dict)
+    else:
+        ok = True
+    if not ok:
+        raise ValueError(f"config key {name}: expected {type(default).__name__}, got {value!r}")
+    return value
+
+
+_SECTIONS = {
+    (TrainConfig, "model"): ModelSection,
+    (TrainConfig, "tokenizer"): TokenizerSection,
+    (TrainConfig, "data"): DataSection,
+    (TrainConfig, "optim"): OptimSection,
+    (TrainConfig, "wandb"): WandbSection,
+    (DataSection, "synthetic"): SyntheticSection,
+}

@@ -1,0 +1,184 @@
+"""Data: local files through ``datasets``, tokenised and packed to ``seq_len``.
+
+Rows are ``input_ids`` [seq_len] and ``labels`` [seq_len] (-100 where no loss is taken), plus
+``task`` (the synthetic task name, "" for plain text). Two kinds of source:
+
+- plain text (``text_field`` only): tokens of all documents joined by EOS and cut into rows of
+  exactly ``seq_len``; labels are the inputs.
+- supervised examples (``text`` + ``targets`` character spans, as written by nosa.train.synthetic):
+  only target tokens carry labels; whole examples are packed greedily into rows (never split), the
+  rest of a row is right padding with no label. Padding at the end never changes earlier tokens
+  under causal attention, so rows need no attention mask.
+
+``batch_at`` maps (step, micro step, rank) to a fixed set of rows (a seeded permutation per epoch),
+so a resumed run sees exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+IGNORE = -100
+
+
+def offline_env() -> None:
+    """No hub access: local loads of json/parquet otherwise still try the network."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def load_files(paths: list[str]):
+    """A ``datasets.Dataset`` from local .jsonl/.json/.parquet/.txt files (all of one kind)."""
+    offline_env()
+    import datasets
+
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise ValueError(f"data file(s) not found: {missing}")
+    kinds = {_builder(p) for p in paths}
+    if len(kinds) != 1:
+        raise ValueError(f"data files mix formats {sorted(kinds)}: {paths}")
+    datasets.disable_progress_bars()
+    return datasets.load_dataset(kinds.pop(), data_files=list(paths), split="train")
+
+
+def _builder(path: str) -> str:
+    if path.endswith((".jsonl", ".json")):
+        return "json"
+    if path.endswith(".parquet"):
+        return "parquet"
+    if path.endswith((".txt", ".text")):
+        return "text"
+    raise ValueError(f"data file {path!r}: expected .jsonl, .json, .parquet or .txt")
+
+
+def tokenize(ds, tokenizer, text_field: str = "text", num_proc: int = 1, targets_only: bool = True):
+    """Add ``input_ids`` and ``labels`` per document. With ``targets`` spans and ``targets_only``
+    only answer tokens carry labels; otherwise every token does."""
+    if text_field not in ds.column_names:
+        raise ValueError(f"data has no column {text_field!r}; columns are {ds.column_names}")
+    supervised = "targets" in ds.column_names and targets_only
+
+    def fn(batch):
+        enc = tokenizer(batch[text_field], add_special_tokens=False, return_offsets_mapping=supervised)
+        labels = []
+        for i, ids in enumerate(enc["input_ids"]):
+            if not supervised:
+                labels.append(list(ids))
+                continue
+            spans = batch["targets"][i]
+            labels.append(
+                [
+                    tok if any(a <= s and e <= b and e > s for a, b in spans) else IGNORE
+                    for tok, (s, e) in zip(ids, enc["offset_mapping"][i])
+                ]
+            )
+        tasks = batch["task"] if "task" in batch else [""] * len(labels)
+        return {"input_ids": enc["input_ids"], "labels": labels, "task": tasks}
+
+    return ds.map(fn, batched=True, remove_columns=ds.column_names, num_proc=num_proc or None)
+
+
+def pack(ds, seq_len: int, pad_id: int, eos_id: int | None, examples: bool):
+    """Rows of exactly ``seq_len`` tokens (see the module docstring)."""
+    import datasets
+
+    rows = {"input_ids": [], "labels": [], "task": []}
+    if examples:
+        ids_row, lab_row, task_row = [], [], ""
+        for ex in ds:
+            ids, lab = ex["input_ids"][-seq_len:], ex["labels"][-seq_len:]
+            if ids_row and len(ids_row) + len(ids) > seq_len:
+                _flush(rows, ids_row, lab_row, task_row, seq_len, pad_id)
+                ids_row, lab_row = [], []
+            task_row = ex["task"] if not ids_row else task_row
+            ids_row, lab_row = ids_row + ids, lab_row + lab
+        if ids_row:
+            _flush(rows, ids_row, lab_row, task_row, seq_len, pad_id)
+    else:
+        stream: list[int] = []
+        for ex in ds:
+            stream += ex["input_ids"] + ([eos_id] if eos_id is not None else [])
+        for start in range(0, len(stream) - seq_len + 1, seq_len):
+            chunk = stream[start : start + seq_len]
+            rows["input_ids"].append(chunk)
+            rows["labels"].append(list(chunk))
+            rows["task"].append("")
+    if not rows["input_ids"]:
+        raise ValueError(f"the data holds fewer than seq_len={seq_len} tokens: no training row")
+    out = datasets.Dataset.from_dict(rows)
+    out.set_format("torch", columns=["input_ids", "labels"], output_all_columns=True)
+    return out
+
+
+def _flush(rows, ids, labels, task, seq_len, pad_id):
+    pad = seq_len - len(ids)
+    rows["input_ids"].append(ids + [pad_id] * pad)
+    rows["labels"].append(labels + [IGNORE] * pad)
+    rows["task"].append(task)
+
+
+def build_rows(paths, tokenizer, seq_len: int, text_field: str = "text", num_proc: int = 1, targets_only: bool = True):
+    """files -> packed rows (the whole pipeline). Examples with ``targets`` keep their
+    boundaries (one or more whole examples per row) whether or not the loss covers all tokens."""
+    ds = load_files(paths)
+    examples = "targets" in ds.column_names
+    ds = tokenize(ds, tokenizer, text_field, num_proc, targets_only)
+    return pack(ds, seq_len, tokenizer.pad_token_id, tokenizer.eos_token_id, examples)
+
+
+def prepare_synthetic(sec, seq_len: int, vocab_size: int, tokenizer_path: str | None, rank: int) -> str:
+    """Make sure ``sec.dir`` holds the synthetic dataset for these settings (rank 0 writes it,
+    atomically, with the tokenizer its lengths were measured with, under ``tokenizer/``)."""
+    import torch.distributed as dist
+
+    from nosa.train import synthetic
+    from nosa.train.tokenizer import load_tokenizer, token_counter, train_tokenizer
+
+    want = dict(version=1, seq_len=seq_len, tokenizer=tokenizer_path or f"byte-bpe-{vocab_size}")
+    meta = synthetic.read_meta(sec.dir) or {}
+    same = all(meta.get(k) == v for k, v in want.items()) and all(
+        meta.get(k) == v
+        for k, v in dict(
+            tasks=list(sec.tasks), train=sec.train_examples, heldout=sec.heldout_examples, seed=sec.seed
+        ).items()
+    )
+    if rank == 0 and not same:
+        if tokenizer_path:
+            tok = load_tokenizer(tokenizer_path)
+        else:
+            sample = synthetic.make_split(list(synthetic.TASKS), 200, 4096, seed=sec.seed + 99)
+            tok = train_tokenizer((ex["text"] for ex in sample), vocab_size)
+        # Leave room for nothing else: rows hold one example of at most seq_len tokens.
+        synthetic.write_dataset(
+            sec.dir,
+            sec.tasks,
+            sec.train_examples,
+            sec.heldout_examples,
+            seq_len,
+            sec.seed,
+            token_counter(tok),
+            meta=want,
+            extra=lambda d: tok.save_pretrained(os.path.join(d, "tokenizer")),
+        )
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return sec.dir
+
+
+def batch_at(
+    rows, step: int, micro: int, grad_accum: int, micro_batch: int, rank: int, world: int, seed: int
+) -> dict[str, torch.Tensor]:
+    """The micro batch of (optimizer step, micro step, rank): input_ids/labels [micro_batch, seq_len]."""
+    n = len(rows)
+    first = ((step * grad_accum + micro) * world + rank) * micro_batch
+    index = []
+    for g in range(first, first + micro_batch):
+        epoch, pos = divmod(g, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        index.append(int(perm[pos]))
+    batch = rows[index]
+    return {"input_ids": batch["input_ids"], "labels": batch["labels"]}

@@ -1,0 +1,122 @@
+"""Evaluation metrics: held-out loss and answer accuracy per synthetic task, and NOSA selection
+statistics computed with the public functions of nosa (no second selection implementation).
+
+Selection statistics of one sequence, per layer and KV head, from ``nosa_prefill``'s per-row
+selections (row t selects as decode step t would):
+- ``churn``: blocks entering the selection from row t-1 to row t (``blocks_entering``), over the
+  rows whose context holds more than ``topk_blocks`` blocks; mean and max.
+- ``mass``: share of the dense attention probability (softmax of q.k over all causal keys) that
+  falls inside the selected blocks, averaged over query heads and sampled rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+
+from nosa.attention import nosa_prefill
+from nosa.config import NosaConfig
+from nosa.eviction import MODULE_NAME
+from nosa.select import blocks_entering, selection_mask
+from nosa.train.data import IGNORE
+
+
+@torch.no_grad()
+def evaluate(model, rows, limit: int) -> dict[str, float]:
+    """``eval/loss``, ``eval/acc`` (all answer tokens of a row right under teacher forcing, i.e.
+    greedy decoding would reproduce them) and ``eval/acc/<task>``."""
+    was_training = model.training
+    model.eval()
+    losses, right = [], defaultdict(list)
+    device = next(model.parameters()).device
+    for i in range(min(limit, len(rows))):
+        row = rows[i]
+        ids = row["input_ids"][None].to(device)
+        labels = row["labels"][None].to(device)
+        out = model(input_ids=ids, labels=labels)
+        losses.append(float(out.loss))
+        target = labels[0, 1:]
+        mask = target != IGNORE
+        if mask.any():
+            pred = out.logits[0, :-1].argmax(-1)
+            ok = bool((pred[mask] == target[mask]).all())
+            right[row["task"] or "text"].append(ok)
+    model.train(was_training)
+    result = {"eval/loss": sum(losses) / max(1, len(losses))}
+    every = [x for v in right.values() for x in v]
+    if every:
+        result["eval/acc"] = sum(every) / len(every)
+        for task, v in sorted(right.items()):
+            result[f"eval/acc/{task}"] = sum(v) / len(v)
+    return result
+
+
+@contextlib.contextmanager
+def capture_attention_inputs():
+    """While active, every NOSA attention call stores (q [S,Hq,D], k, v [S,Hkv,D]) of batch row 0
+    on its module as ``_nosa_capture``."""
+    from transformers import AttentionInterface
+
+    from nosa import hf
+
+    def capturing(module, query, key, value, attention_mask, **kw):
+        module._nosa_capture = tuple(t[0].transpose(0, 1).detach() for t in (query, key, value))
+        return hf.nosa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register(hf.ATTN_IMPLEMENTATION, capturing)
+    try:
+        yield
+    finally:
+        hf.register()
+
+
+@torch.no_grad()
+def selection_stats(model, input_ids: torch.Tensor, cfg: NosaConfig, mass_rows: int = 64) -> dict[str, float]:
+    """Selection statistics of one sequence input_ids [L] (see the module docstring), per layer
+    (``select/churn_mean/layerN`` ...) and averaged over layers (``select/churn_mean`` ...)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    with capture_attention_inputs():
+        model(input_ids=input_ids[None].to(device))
+    model.train(was_training)
+    attns = [(n, m) for n, m in model.named_modules() if hasattr(m, "_nosa_capture")]
+    out: dict[str, float] = {}
+    per = defaultdict(list)
+    for name, attn in attns:
+        layer = int(name.split("layers.")[1].split(".")[0])
+        q, k, v = attn.__dict__.pop("_nosa_capture")
+        stats = _layer_stats(q, k, v, getattr(attn, MODULE_NAME)(v), cfg, attn.scaling, mass_rows)
+        for key, value in stats.items():
+            out[f"select/{key}/layer{layer}"] = value
+            per[key].append(value)
+    for key, values in per.items():
+        out[f"select/{key}"] = max(values) if key == "churn_max" else sum(values) / len(values)
+    return out
+
+
+def _layer_stats(q, k, v, cis, cfg: NosaConfig, scale: float, mass_rows: int) -> dict[str, float]:
+    length = k.shape[0]
+    _, sel = nosa_prefill(q, k, v, cis, cfg, scale)  # [L, Hkv, K]
+    # Rows whose context has more blocks than the budget (earlier rows select everything).
+    first = min(length - 1, cfg.topk_blocks * cfg.block_size + 1)
+    first = max(first, cfg.dense_len + 1, 1)
+    stats: dict[str, float] = {}
+    if first < length:
+        churn = blocks_entering(sel[first - 1 : -1], sel[first:]).float()  # [rows, Hkv]
+        stats["churn_mean"] = float(churn.mean())
+        stats["churn_max"] = float(churn.max())
+    rows = torch.linspace(first, length - 1, steps=min(mass_rows, length - first)).long().unique()
+    if rows.numel():
+        hq, hkv = q.shape[1], k.shape[1]
+        group = hq // hkv
+        logits = torch.einsum("rhd,lhd->rhl", q[rows].float(), k.float().repeat_interleave(group, 1)) * scale
+        causal = torch.arange(length)[None, :] <= rows[:, None]
+        probs = torch.softmax(logits.masked_fill(~causal[:, None, :], float("-inf")), dim=-1)
+        inside = selection_mask(sel[rows], cfg.num_blocks(length))  # [r, Hkv, NB]
+        token_in = inside[..., torch.arange(length) // cfg.block_size]  # [r, Hkv, L]
+        token_in = token_in.repeat_interleave(group, 1)
+        stats["mass"] = float((probs * token_in).sum(-1).mean())
+    return stats
