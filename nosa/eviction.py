@@ -8,6 +8,9 @@ freshly converted model attends exactly like InfLLM-v2 selection.
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,3 +67,23 @@ def block_means(cis: torch.Tensor, num_blocks: int, block_size: int) -> torch.Te
     sums = padded.reshape(num_blocks, block_size, hkv).sum(dim=1)
     counts = count.reshape(num_blocks, block_size).sum(dim=1).clamp(min=1)
     return (sums / counts[:, None]).transpose(0, 1)
+
+
+def read_eviction_tensors(model_dir: str) -> dict[str, torch.Tensor]:
+    """Every ``*.nosa_evict.*`` tensor of a checkpoint's safetensors files (sharded or not), by name.
+    Read directly, because model classes without eviction heads (transformers', SGLang's) skip them."""
+    from safetensors import safe_open
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    tensors = {}
+    for file in files:
+        with safe_open(os.path.join(model_dir, file), framework="pt") as f:
+            for name in f.keys():
+                if f".{MODULE_NAME}." in name:
+                    tensors[name] = f.get_tensor(name)
+    return tensors

@@ -13,15 +13,12 @@ every step, so a stale state is rebuilt rather than trusted.
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 
 from nosa.attention import nosa_prefill
 from nosa.config import CONFIG_KEY, NosaConfig
 from nosa.decode import NosaDecodeState
-from nosa.eviction import MODULE_NAME, EvictionHead
+from nosa.eviction import MODULE_NAME, EvictionHead, read_eviction_tensors
 
 ATTN_IMPLEMENTATION = "nosa"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -197,24 +194,12 @@ def _attention_modules(model):
 
 
 def _load_eviction_heads(model, path: str) -> None:
-    """Copy ``*.nosa_evict.*`` tensors from the checkpoint's safetensors files into the model."""
-    from safetensors import safe_open
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
+    """Copy the checkpoint's ``*.nosa_evict.*`` tensors into the model's eviction heads."""
+    tensors = read_eviction_tensors(path)
     wanted = {n: p for n, p in model.named_parameters() if f".{MODULE_NAME}." in n}
-    found = set()
-    for file in files:
-        with safe_open(os.path.join(path, file), framework="pt") as f:
-            for name in f.keys():
-                if name in wanted:
-                    with torch.no_grad():
-                        wanted[name].copy_(f.get_tensor(name))
-                    found.add(name)
-    missing = sorted(set(wanted) - found)
+    missing = sorted(set(wanted) - set(tensors))
     if missing:
         raise ValueError(f"{path} is a NOSA checkpoint but lacks eviction-head weights: {missing[:4]}...")
+    with torch.no_grad():
+        for name, param in wanted.items():
+            param.copy_(tensors[name])

@@ -18,7 +18,7 @@ import re
 import torch
 
 from nosa.config import CONFIG_KEY, NosaConfig
-from nosa.eviction import MODULE_NAME, EvictionHead
+from nosa.eviction import MODULE_NAME, EvictionHead, read_eviction_tensors
 
 ENV_CONFIG = "NOSA_CONFIG"
 _PARAM = re.compile(rf"(?:^|\.)layers\.(\d+)\.self_attn\.{MODULE_NAME}\.(proj\.weight|proj\.bias|scale)$")
@@ -70,21 +70,11 @@ def load_eviction_heads(
     """One float32 EvictionHead per layer with the checkpoint's W, b, A.
 
     Raises ValueError when a layer's tensors are missing or have the wrong shape."""
-    from safetensors import safe_open
-
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
     found: dict[tuple[int, str], torch.Tensor] = {}
-    for name in files:
-        with safe_open(os.path.join(model_dir, name), framework="pt") as f:
-            for key in f.keys():
-                m = _PARAM.search(key)
-                if m and int(m.group(1)) < num_layers:
-                    found[(int(m.group(1)), m.group(2))] = f.get_tensor(key)
+    for key, tensor in read_eviction_tensors(model_dir).items():
+        m = _PARAM.search(key)
+        if m and int(m.group(1)) < num_layers:
+            found[(int(m.group(1)), m.group(2))] = tensor
     heads = []
     for layer in range(num_layers):
         head = EvictionHead(num_kv_heads, head_dim, device=device, dtype=torch.float32)
