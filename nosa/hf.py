@@ -63,16 +63,16 @@ def convert(model, config: NosaConfig | None = None):
     return model
 
 
-def nosa_config_of(hf_config) -> NosaConfig | None:
-    """The NosaConfig stored in a transformers config (None for a dense checkpoint).
-    A malformed section raises ValueError naming the problem."""
-    data = getattr(hf_config, CONFIG_KEY, None)
+def nosa_config_of(hf_config, source: str = "the model config") -> NosaConfig | None:
+    """The NosaConfig stored in a transformers config, or in a config.json read as a dict (None for
+    a dense checkpoint). A malformed section raises ValueError naming ``source`` and the problem."""
+    data = hf_config.get(CONFIG_KEY) if isinstance(hf_config, dict) else getattr(hf_config, CONFIG_KEY, None)
     if data is None:
         return None
     try:
         return NosaConfig.from_dict(data)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"malformed '{CONFIG_KEY}' section in the model config: {err}") from err
+        raise ValueError(f"malformed '{CONFIG_KEY}' section in {source}: {err}") from err
 
 
 def from_pretrained(path: str, config: NosaConfig | None = None, **kwargs):

@@ -19,6 +19,7 @@ import torch
 
 from nosa.config import CONFIG_KEY, NosaConfig
 from nosa.eviction import MODULE_NAME, EvictionHead, read_eviction_tensors
+from nosa.hf import nosa_config_of
 
 ENV_CONFIG = "NOSA_CONFIG"
 _PARAM = re.compile(rf"(?:^|\.)layers\.(\d+)\.self_attn\.{MODULE_NAME}\.(proj\.weight|proj\.bias|scale)$")
@@ -38,13 +39,9 @@ def load_nosa_config(model_dir: str) -> tuple[NosaConfig, bool]:
     path = os.path.join(model_dir, "config.json")
     with open(path) as f:
         data = json.load(f)
-    if CONFIG_KEY in data:
-        try:
-            return NosaConfig.from_dict(data[CONFIG_KEY]), True
-        except (TypeError, ValueError) as err:
-            raise ValueError(
-                f"nosa backend: malformed '{CONFIG_KEY}' section in {path}: {err}"
-            ) from err
+    stored = nosa_config_of(data, source=f"{path} (nosa backend)")
+    if stored is not None:
+        return stored, True
     return config_from_env(), False
 
 
