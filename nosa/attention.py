@@ -24,6 +24,9 @@ from nosa.eviction import block_eviction_scores
 from nosa.select import query_block_scores, select_blocks, selection_mask
 
 NEG_INF = float("-inf")
+# prefill chunks whose rows together select more than UNION_LIMIT * topk_blocks blocks (per KV head)
+# attend row by row rather than over the union (measured crossover on CPU, see _attend_selected)
+UNION_LIMIT = 2
 
 
 def nosa_prefill(
@@ -136,34 +139,62 @@ def _attend_selected(
     """Each row attends over its own selected blocks, at or before its position, token j weighted by
     exp(cis_j). q [n, Hq, D]; k/v [L, Hkv, D]; cis [L, Hkv]; sel [n, Hkv, K]; positions [n].
 
-    One softmax over two key sets: the blocks shared by every row of the chunk (gathered once per
-    KV head, [Hkv, Ts]) and each row's remaining blocks (gathered per row, [n, Hkv, Te]).
+    While the rows mostly agree (short contexts, static selections), they share one gather: the
+    union of the blocks any row selected (per KV head, [Hkv, U]) is gathered once and each row masks
+    out the union's blocks it did not select, two matmuls for the chunk. When the union grows past
+    ``UNION_LIMIT`` budgets (long contexts, query-aware picks that differ row to row) each row
+    gathers its own K * block_size tokens instead (``_attend_each_row``).
     """
     n, hq, d = q.shape
     hkv, group = k.shape[1], hq // k.shape[1]
     last = int(positions[-1])
     row_blocks = selection_mask(sel, cfg.num_blocks(last + 1))  # [n, Hkv, NB]
-    shared = row_blocks.all(dim=0)  # [Hkv, NB]
-    tok_s, ok_s = _block_tokens(shared, cfg.block_size, last)  # [Hkv, Ts]
-    tok_e, ok_e = _block_tokens(row_blocks & ~shared, cfg.block_size, last)  # [n, Hkv, Te]
-    ok_s = ok_s[:, None, :] & (tok_s[:, None, :] <= positions[None, :, None])  # [Hkv, n, Ts]
-    ok_e = ok_e & (tok_e <= positions[:, None, None])  # [n, Hkv, Te]
+    in_union = row_blocks.any(dim=0)  # [Hkv, NB]
+    if int(in_union.sum(dim=-1).max()) > UNION_LIMIT * cfg.topk_blocks:
+        return _attend_each_row(q, k, v, cis, sel, positions, cfg, scale)
+    union, ok = _block_tokens(in_union, cfg.block_size, last)  # [Hkv, U]
+    union_blocks = union // cfg.block_size
+    mine = row_blocks.gather(-1, union_blocks[None].expand(n, -1, -1))  # [n, Hkv, U]
+    mine = mine & ok[None] & (union[None] <= positions[:, None, None])
 
     dt = compute_dtype(q)
-    qg = q.to(dt).reshape(n, hkv, group, d)
-    k_s, v_s, c_s = (gather_heads(x, tok_s).to(dt) for x in (k, v, cis))  # [Hkv, Ts, D], [Hkv, Ts]
-    logit_s = torch.einsum("nhgd,htd->nhgt", qg, k_s) * scale
-    logit_s = logit_s + c_s[None, :, None, :].masked_fill(~ok_s.transpose(0, 1)[:, :, None, :], NEG_INF)
-    flat_e = tok_e.transpose(0, 1).reshape(hkv, -1)  # [Hkv, n*Te]
-    k_e, v_e, c_e = (gather_heads(x, flat_e).to(dt) for x in (k, v, cis))
-    k_e = k_e.view(hkv, n, -1, d).transpose(0, 1)  # [n, Hkv, Te, D]
-    v_e = v_e.view(hkv, n, -1, v.shape[-1]).transpose(0, 1)
-    c_e = c_e.view(hkv, n, -1).transpose(0, 1)  # [n, Hkv, Te]
-    logit_e = torch.einsum("nhgd,nhtd->nhgt", qg, k_e) * scale + c_e.masked_fill(~ok_e, NEG_INF)[:, :, None, :]
-    probs = torch.softmax(torch.cat([logit_s, logit_e], dim=-1), dim=-1)
-    p_s, p_e = probs.split([logit_s.shape[-1], logit_e.shape[-1]], dim=-1)
-    out = torch.einsum("nhgt,htd->nhgd", p_s, v_s) + torch.einsum("nhgt,nhtd->nhgd", p_e, v_e)
-    return out.reshape(n, hq, -1).to(q.dtype)
+    qg = q.to(dt).reshape(n, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, n * group, d)
+    k_u, v_u, c_u = (gather_heads(x, union).to(dt) for x in (k, v, cis))  # [Hkv, U, D], [Hkv, U]
+    bias = torch.where(mine.transpose(0, 1), c_u[:, None, :], NEG_INF)  # [Hkv, n, U]
+    bias = bias[:, :, None, :].expand(hkv, n, group, -1).reshape(hkv, n * group, -1)
+    logits = torch.baddbmm(bias, qg, k_u.transpose(1, 2), alpha=scale)  # [Hkv, n*G, U]
+    out = torch.bmm(torch.softmax(logits, dim=-1), v_u)  # [Hkv, n*G, D]
+    return out.view(hkv, n, group, -1).permute(1, 0, 2, 3).reshape(n, hq, -1).to(q.dtype)
+
+
+def _attend_each_row(q, k, v, cis, sel, positions, cfg: NosaConfig, scale: float) -> torch.Tensor:
+    """``_attend_selected`` one row at a time: gather the row's selected tokens, attend. Shapes as there."""
+    n, hq, d = q.shape
+    hkv, group, dv = k.shape[1], hq // k.shape[1], v.shape[-1]
+    tokens, valid = selected_tokens(sel, positions + 1, cfg.block_size)  # [n, Hkv, T]
+    rows = tokens * hkv + torch.arange(hkv, device=q.device)[:, None]  # row of (token, head) in [L*Hkv]
+    k_flat, v_flat, c_flat = k.reshape(-1, d), v.reshape(-1, dv), cis.reshape(-1)
+    dt = compute_dtype(q)
+    outs = []
+    for i in range(n):
+        index = rows[i].flatten()
+        bias = torch.where(valid[i], c_flat.index_select(0, index).view(hkv, -1).to(dt), NEG_INF)
+        k_i = k_flat.index_select(0, index).to(dt).view(hkv, -1, d)
+        logits = torch.baddbmm(bias[:, None, :], q[i].to(dt).view(hkv, group, d), k_i.transpose(1, 2), alpha=scale)
+        v_i = v_flat.index_select(0, index).to(dt).view(hkv, -1, dv)
+        outs.append(torch.bmm(torch.softmax(logits, dim=-1), v_i).view(hq, dv))
+    return torch.stack(outs).to(q.dtype)
+
+
+def selected_tokens(sel: torch.Tensor, lengths: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens of the selected blocks: sel [n, Hkv, K] (-1 = none), lengths [n] (tokens each row
+    may see) -> (tokens [n, Hkv, K * block_size], valid [n, Hkv, K * block_size]). Invalid entries
+    (missing blocks, tokens at or past the length) are clamped to a real token and must be masked."""
+    lengths = lengths[:, None, None]
+    blocks = torch.where(sel >= 0, sel, lengths)  # missing blocks land past the end
+    tokens = (blocks[..., None] * block_size + torch.arange(block_size, device=sel.device)).flatten(-2)
+    valid = tokens < lengths
+    return torch.minimum(tokens, lengths - 1), valid
 
 
 def _block_tokens(mask: torch.Tensor, block_size: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:

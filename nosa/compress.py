@@ -58,6 +58,8 @@ def pool_to_blocks(
     """
     num_windows = window_scores.shape[-1]
     lead = window_scores.shape[:-1]
+    if num_windows and first_window == 0:
+        return _pool_aligned(window_scores, num_blocks, cfg)
     out = window_scores.new_full((*lead, num_blocks + 1), float("-inf"))
     if num_windows == 0:
         return out[..., :num_blocks]
@@ -69,3 +71,16 @@ def pool_to_blocks(
     idx = index.reshape(-1).expand(*lead, num_windows * overlap)
     out = out.scatter_reduce(-1, idx, src, reduce="amax", include_self=True)
     return out[..., :num_blocks]
+
+
+def _pool_aligned(window_scores: torch.Tensor, num_blocks: int, cfg: NosaConfig) -> torch.Tensor:
+    """``pool_to_blocks`` from window 0 (NosaConfig guarantees block_size % compress_stride == 0):
+    block b overlaps windows ``r*b - p .. r*b + (B-1)//s`` (r = B/s, p = (c-1)//s), so the pooling is
+    a sliding max of fixed width and stride over the window scores padded with -inf."""
+    c, s, bsz = cfg.compress_kernel, cfg.compress_stride, cfg.block_size
+    ratio, before = bsz // s, (c - 1) // s
+    width = before + (bsz - 1) // s + 1
+    total = ratio * (num_blocks - 1) + width  # padded length the last block's window needs
+    after = max(total - before - window_scores.shape[-1], 0)
+    padded = torch.nn.functional.pad(window_scores, (before, after), value=float("-inf"))
+    return padded.unfold(-1, width, ratio)[..., :num_blocks, :].amax(dim=-1)

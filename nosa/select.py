@@ -69,6 +69,18 @@ def query_block_scores(
         torch.arange(num_windows, device=q.device) * cfg.compress_stride + cfg.compress_kernel
     )
     visible = window_end[None, :] <= positions[:, None] + 1  # [R, C]
+    return block_scores_from_logits(logits, visible, num_blocks, cfg)
+
+
+def block_scores_from_logits(
+    logits: torch.Tensor, visible: torch.Tensor, num_blocks: int, cfg: NosaConfig
+) -> torch.Tensor:
+    """The second half of ``query_block_scores``, for callers that compute the logits themselves
+    (batched decode, where every sequence has its own compressed keys).
+
+    logits: [R, Hkv, G, C] scaled q . compressed-key logits; visible: [R, C] bool, the windows each
+    row may see (entries beyond a row's own windows must be False). Returns [R, Hkv, NB].
+    """
     logits = logits.masked_fill(~visible[:, None, None, :], NEG_INF)
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with no visible window: all 0
     scores = probs.sum(dim=2).masked_fill(~visible[:, None, :], NEG_INF)  # [R, Hkv, C]
@@ -97,33 +109,45 @@ def select_blocks(
     forced = forced[:, None, :].expand(rows, hkv, nb)
     exists = exists[:, None, :].expand(rows, hkv, nb)
 
-    qs = query_scores.float().nan_to_num(nan=NEG_INF)
-    evict = evict_scores.float().nan_to_num(nan=NEG_INF).expand(rows, hkv, nb, 2)
+    qs = query_scores.float().nan_to_num(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
+    evict = evict_scores.float().nan_to_num(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
+    evict = evict.expand(rows, hkv, nb, 2)
 
-    # Free picks: best query-aware scores among existing, non-forced blocks with a finite score.
+    # Free picks: best query-aware scores among existing, non-forced blocks with a finite score,
+    # ties to the lower index.
     in_query_set = forced.clone()
     if cfg.query_blocks > 0:
         cand = exists & ~forced & torch.isfinite(qs)
-        pick_key = qs.masked_fill(~cand, NEG_INF)
-        order = _stable_argsort_desc(pick_key)[..., : cfg.query_blocks]
+        pick_key = (_ordered(qs.masked_fill(~cand, NEG_INF)) << _INDEX_BITS) | _lower_index_first(nb, device)
+        order = pick_key.topk(min(cfg.query_blocks, nb), dim=-1).indices
         picked = cand.gather(-1, order)
         in_query_set = in_query_set | _scatter_mask(order, picked, nb)
 
-    # Lexicographic ranking: (query set, eviction score, block mean, query score, -index), built
-    # from stable sorts applied from the least to the most significant key. The query score only
-    # ranks for heads whose eviction head is off (every existing static key exactly 0).
+    # Lexicographic ranking: (query set, eviction score, block mean, query score, -index). The query
+    # score only ranks for heads whose eviction head is off (every existing static key exactly 0 or
+    # infinite). Keys are mapped to order-preserving integers: ``major`` (tier, eviction score) and a
+    # unique ``minor`` (block mean, query score, -index); the budget is every block whose major key
+    # beats the k-th largest, then the best ties at that key by minor. Top-k, never a full sort.
     live = (exists[..., None] & torch.isfinite(evict) & (evict != 0)).flatten(-2).any(-1)  # [R, Hkv]
-    perm = _stable_argsort_desc(qs.masked_fill(live[..., None], 0.0))
-    for key in (evict[..., 1], evict[..., 0]):
-        perm = perm.gather(-1, _stable_argsort_desc(key.gather(-1, perm)))
-    tier = exists.to(torch.int8) + in_query_set.to(torch.int8)  # 2: Q, 1: other, 0: future
-    perm = perm.gather(-1, _stable_argsort_desc(tier.gather(-1, perm)))
+    index_key = _lower_index_first(nb, device)
+    mean = evict[..., 1]
+    minor_live = (_ordered(mean) << _INDEX_BITS) | index_key
+    mean_class = (mean > NEG_INF).long() + (mean == float("inf")).long()  # dead heads: -inf < 0 < inf
+    minor_dead = (mean_class << 61) | ((_ordered(qs) + 2**31) << _INDEX_BITS) | index_key
+    minor = torch.where(live[..., None], minor_live, minor_dead)
+    tier = exists.long() + in_query_set.long()  # 2: Q, 1: other, 0: future
+    major = (tier << 32) | (_ordered(evict[..., 0]) + 2**31)
 
     k = min(cfg.topk_blocks, nb)
-    chosen = perm[..., :k]
-    chosen = torch.where(exists.gather(-1, chosen), chosen, nb)
-    chosen = chosen.sort(dim=-1).values
-    chosen = chosen.masked_fill(chosen == nb, -1)
+    threshold = major.topk(k, dim=-1).values[..., -1:]  # the k-th largest major key
+    above = major > threshold
+    need = k - above.sum(dim=-1, keepdim=True)
+    ties = minor.masked_fill(major != threshold, torch.iinfo(torch.int64).min).topk(k, dim=-1).indices
+    chosen = above | _scatter_mask(ties, torch.arange(k, device=device) < need, nb)
+    # ascending block indices of the chosen existing blocks, -1 after them
+    order_key = torch.where(chosen & exists, index_key, -1)
+    top = order_key.topk(k, dim=-1)
+    chosen = torch.where(top.values >= 0, top.indices, -1)
     if k < cfg.topk_blocks:
         pad = chosen.new_full((rows, hkv, cfg.topk_blocks - k), -1)
         chosen = torch.cat([chosen, pad], dim=-1)
@@ -148,8 +172,18 @@ def blocks_entering(previous: torch.Tensor, current: torch.Tensor) -> torch.Tens
     return ((current >= 0) & ~present).sum(dim=-1)
 
 
-def _stable_argsort_desc(key: torch.Tensor) -> torch.Tensor:
-    return torch.sort(key, dim=-1, descending=True, stable=True).indices
+_INDEX_BITS = 29  # block indices and ranks below 2**29 (contexts up to 2**29 blocks)
+_INDEX_MASK = 2**_INDEX_BITS - 1
+
+
+def _ordered(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int64 in [-2**31, 2**31) with the same order (-0.0 == 0.0; -inf lowest)."""
+    bits = (x.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+
+
+def _lower_index_first(nb: int, device) -> torch.Tensor:
+    return _INDEX_MASK - torch.arange(nb, device=device)
 
 
 def _scatter_mask(index: torch.Tensor, valid: torch.Tensor, num_blocks: int) -> torch.Tensor:

@@ -8,9 +8,10 @@ The selection is nosa's, imported, never re-implemented, and used the way nosa.h
 that serving and the HF model pick the same blocks:
 - extend (prefill, chunked prefill, prefix-cache hits): per request, the whole context is gathered
   from the pool and its new rows (the last extend_len tokens) go through ``nosa_prefill``;
-- decode: one ``NosaDecodeState`` per (request row, layer) grows by one token per step and
-  attends to its selected blocks, reading the pool through the request's slots (no gather of the
-  whole context); it is created (or caught up) from the pool when missing.
+- decode: one ``NosaDecodeState`` per (request row, layer) grows by one token per step (created, or
+  caught up, from the pool when missing); ``nosa.decode.decode_attend`` then selects for the whole
+  batch and gathers only the selected blocks of every request from the pool through req_to_token,
+  in one call per layer (never the whole context).
 Per-request state lives in nosa.serve.states.RequestStates, attached to SGLang's ReqToTokenPool so
 that finishing, aborting or retracting a request frees it.
 Eviction scores cis = A * softplus(W v + b) come from the checkpoint's eviction heads
@@ -26,7 +27,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from nosa.attention import nosa_prefill
-from nosa.decode import NosaDecodeState
+from nosa.decode import NosaDecodeState, decode_attend
 from nosa.serve.checkpoint import (
     load_eviction_heads,
     load_nosa_config,
@@ -96,10 +97,10 @@ class NosaAttnBackend(AttentionBackend):
         else:
             ext = forward_batch.extend_seq_lens.tolist()
         table = self.req_to_token_pool.req_to_token
-        # (row, slots [seq_len] long, extend_len) per request; the slots are shared by all layers
-        self.forward_metadata = [
-            (row, table[row, :seq_len].long(), n) for row, seq_len, n in zip(rows, seq_lens, ext)
-        ]
+        # (row, slots [seq_len] (a view of the request's req_to_token row), extend_len) per request;
+        # shared by all layers
+        self.forward_metadata = [(row, table[row, :seq_len], n) for row, seq_len, n in zip(rows, seq_lens, ext)]
+        self.table_rows = forward_batch.req_pool_indices.long()
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         self._check_layer(layer)
@@ -109,6 +110,7 @@ class NosaAttnBackend(AttentionBackend):
         for _, slots, ext_len in self.forward_metadata:
             if ext_len == 0:
                 continue
+            slots = slots.long()
             k_ctx = k_buf[slots].to(q_.dtype)
             v_ctx = v_buf[slots].to(q_.dtype)
             out, _ = nosa_prefill(
@@ -123,12 +125,17 @@ class NosaAttnBackend(AttentionBackend):
         q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
         o, q_, o_, k_buf, v_buf = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
         head = self.heads[layer.layer_id]
+        # eviction scores of the new tokens, read back from the pool like every other token's
+        cis_new = head(v_buf[forward_batch.out_cache_loc.long()])  # [R, Hkv]
+        states = []
         for i, (row, slots, _) in enumerate(self.forward_metadata):
-            # The state reads the pool through the request's slots: only the newest compressed
-            # windows and the selected blocks are touched, never the whole context.
             state = self._decode_state(row, layer.layer_id, slots, k_buf, v_buf, head)
-            state.append(k_buf, head(v_buf[slots[-1:]]), slots=slots)
-            o_[i] = state.attend(q_[i], k_buf, v_buf, layer.scaling, slots=slots)
+            state.append(k_buf, cis_new[i : i + 1], slots=slots)
+            states.append(state)
+        # The whole batch in one call: selection for every request, then one gather of the selected
+        # blocks from the pool through req_to_token; never the whole context.
+        o_[:] = decode_attend(states, q_, k_buf, v_buf, layer.scaling,
+                              slot_table=self.req_to_token_pool.req_to_token, table_rows=self.table_rows)
         return o
 
     def support_triton(self):
@@ -144,7 +151,7 @@ class NosaAttnBackend(AttentionBackend):
             state = NosaDecodeState(self.config, k_buf.shape[1], k_buf.shape[2], device=k_buf.device)
             self.states.put(row, layer_id, state)
         if state.length < prior:
-            state.append(k_buf, head(v_buf[slots[state.length : prior]]), slots=slots[:prior])
+            state.append(k_buf, head(v_buf[slots[state.length : prior].long()]), slots=slots[:prior])
         return state
 
     def _prepare(self, q, k, v, layer, forward_batch, save_kv_cache):

@@ -87,3 +87,52 @@ def test_pool_to_blocks_takes_max_over_overlapping_windows():
     assert pooled.tolist() == [3.0, 7.0, 9.0]
     tail = pool_to_blocks(scores[6:], 3, cfg, first_window=6)
     assert tail.tolist() == [float("-inf"), 7.0, 9.0]
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_select_matches_oracle_on_ties_signed_zeros_and_infinities(live):
+    """Scores drawn from a handful of values (exact ties everywhere, -0.0 next to 0.0, -inf): the
+    integer-key ranking must still equal the plain lexicographic rule."""
+    g = torch.Generator().manual_seed(7)
+    cfg = NosaConfig.tiny(topk_blocks=7, query_blocks=2, window_blocks=2)
+    rows, hkv, nb = 40, 3, 30
+    values = torch.tensor([float("-inf"), -1.5, -0.0, 0.0, 0.25, 2.0])
+    qs = values[torch.randint(0, len(values), (rows, hkv, nb), generator=g)]
+    if live:
+        evict = values[torch.randint(0, len(values), (1, hkv, nb, 2), generator=g)]
+    else:
+        evict = torch.zeros(1, hkv, nb, 2)
+        evict[..., -2:, 0] = float("-inf")  # blocks without a complete window yet
+    positions = torch.randint(0, nb * cfg.block_size, (rows,), generator=g)
+    sel = select_blocks(qs, evict, positions, cfg)
+    for r in range(rows):
+        t = int(positions[r])
+        for h in range(hkv):
+            cur = t // cfg.block_size
+            ev = [[(x if b <= cur else float("-inf")) for x in evict[0, h, b].tolist()] for b in range(nb)]
+            want = oracle_select(qs[r, h].tolist(), ev, t, cfg)
+            assert [b for b in sel[r, h].tolist() if b >= 0] == want, (r, h)
+
+
+@pytest.mark.parametrize("cfg", [NosaConfig(), NosaConfig.tiny(), NosaConfig.tiny(compress_kernel=4, compress_stride=4),
+                                 NosaConfig.tiny(compress_kernel=16, compress_stride=8),
+                                 NosaConfig.tiny(compress_kernel=16, compress_stride=16)])
+def test_pooling_equals_the_overlap_rule(cfg):
+    """pool_to_blocks (its sliding-max path, and the scatter path of the offset form decode uses)
+    against the rule: a block's score is the max over overlapping windows."""
+    g = torch.Generator().manual_seed(1)
+    c, s, bsz = cfg.compress_kernel, cfg.compress_stride, cfg.block_size
+    for length in (c, 5 * bsz - 1, 7 * bsz + 3):
+        windows, nb = cfg.num_compressed(length), cfg.num_blocks(length)
+        scores = torch.randn(3, windows, generator=g)
+        scores[0, ::3] = float("-inf")
+        want = torch.full((3, nb), float("-inf"))
+        for b in range(nb):
+            over = [j for j in range(windows) if s * j < (b + 1) * bsz and s * j + c > b * bsz]
+            if over:
+                want[:, b] = scores[:, over].amax(dim=-1)
+        assert torch.equal(pool_to_blocks(scores, nb, cfg), want), (cfg, length)
+        split = windows // 2
+        parts = torch.maximum(pool_to_blocks(scores[:, :split], nb, cfg),
+                              pool_to_blocks(scores[:, split:], nb, cfg, first_window=split))
+        assert torch.equal(parts, want), (cfg, length)
