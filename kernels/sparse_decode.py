@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from nosa.attention import gather_heads
+from nosa.attention import gather_heads, selected_tokens
 
 
 def sparse_decode_reference(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale):
@@ -24,17 +24,13 @@ def sparse_decode_reference(q, k_pool, v_pool, cis_pool, token_table, selection,
     bsz, hq, d = q.shape
     hkv = selection.shape[1]
     group = hq // hkv
+    tokens, valid = selected_tokens(selection, seq_lens.long(), block_size)  # [B, Hkv, K*B]
     out = torch.empty(bsz, hq, v_pool.shape[-1], dtype=q.dtype, device=q.device)
-    offsets = torch.arange(block_size, device=q.device)
     for b in range(bsz):
-        length = int(seq_lens[b])
-        pos = selection[b].clamp(min=0)[..., None] * block_size + offsets  # [Hkv, K, B]
-        valid = (selection[b] >= 0)[..., None] & (pos < length)
-        pos = pos.reshape(hkv, -1).clamp(max=length - 1)
-        slots = token_table[b, pos].long()  # [Hkv, K*B]
+        slots = token_table[b, tokens[b]].long()  # [Hkv, K*B]
         k = gather_heads(k_pool, slots).float()
         v = gather_heads(v_pool, slots).float()
-        bias = gather_heads(cis_pool, slots).float().masked_fill(~valid.reshape(hkv, -1), float("-inf"))
+        bias = gather_heads(cis_pool, slots).float().masked_fill(~valid[b], float("-inf"))
         qg = q[b].float().reshape(hkv, group, d)
         logits = torch.einsum("hgd,htd->hgt", qg, k) * scale + bias[:, None, :]
         out[b] = torch.einsum("hgt,htd->hgd", torch.softmax(logits, -1), v).reshape(hq, -1).to(q.dtype)

@@ -5,9 +5,10 @@
 Builds a tiny random Llama (2 layers, hidden 256, GQA 8/2; a dense checkpoint, so the backend uses
 the released NosaConfig defaults: 64 blocks of 64 tokens, dense_len 4096), then for each backend
 starts one server (stopped before the next starts: an idle server keeps a core busy) and, for each
-context length, sends ``--batch`` concurrent greedy requests (see ``measure``: decode time per
-step is the difference of two runs over a cached prompt, so prefill is excluded). Contexts above
-the model's dense_len (4096) are where NOSA's selection applies. Not a test: nothing is asserted.
+context length, sends ``--batch`` concurrent greedy requests with streaming (see ``measure``: the
+decode step time is the median interval between streamed tokens while the whole batch decodes, so
+prefill and request handling are excluded). Contexts above the model's dense_len (4096) are where
+NOSA's selection applies. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -40,45 +41,55 @@ def build_model(path: str) -> None:
     make_tokenizer(path)
 
 
-def _generate(url: str, prompt: list[int], new_tokens: int) -> None:
-    body = {"input_ids": prompt,
+def _stream(url: str, prompt: list[int], new_tokens: int, start: float, out: list) -> None:
+    """Greedy generation with streaming; appends (seconds since ``start``, tokens so far) per chunk."""
+    body = {"input_ids": prompt, "stream": True,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}}
     req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=7200) as r:
-        r.read()
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[len(b"data:"):])
+            out.append((time.perf_counter() - start, int(chunk["meta_info"]["completion_tokens"])))
 
 
-def _batch(url: str, prompts: list[list[int]], new_tokens: int) -> float:
-    """Seconds for the prompts to complete concurrently."""
+def measure(server, context: int, batch: int, new_tokens: int) -> dict:
+    """One batch of ``batch`` concurrent greedy requests of ``context`` random prompt tokens, streamed.
+
+    Prefill: until every request has its first token. Decode: the intervals between streamed tokens
+    once every request is decoding (the whole batch in each step), per token; the median over all
+    requests and steps is the step time (robust to a noisy machine), the mean is reported too.
+    Nothing here depends on the prefix cache or on work done before the first token."""
+    import statistics
+
+    import torch
+
+    server.post("/flush_cache", {})
+    g = torch.Generator().manual_seed(context)
+    prompts = [torch.randint(0, 256, (context,), generator=g).tolist() for _ in range(batch)]
     start = time.perf_counter()
-    threads = [threading.Thread(target=_generate, args=(url, p, new_tokens)) for p in prompts]
+    streams = [[] for _ in prompts]
+    threads = [threading.Thread(target=_stream, args=(server.url, p, new_tokens, start, out))
+               for p, out in zip(prompts, streams)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - start
-
-
-def measure(server, context: int, batch: int, new_tokens: int, repeats: int = 2, short: int = 4) -> dict:
-    """Per-step decode time from two runs that differ only in the number of decode steps.
-
-    A first run prefills the prompts into the radix cache, so both timed runs prefill one token and
-    include the same one-off work (e.g. building NOSA's decode state); their difference is
-    ``new_tokens`` decode steps of the whole batch. The best of ``repeats`` pairs is kept (the
-    machine may be shared)."""
-    import torch
-
-    g = torch.Generator().manual_seed(context)
-    prompts = [torch.randint(0, 256, (context,), generator=g).tolist() for _ in range(batch)]
-    prefill_s = _batch(server.url, prompts, 1)
-    step_s = float("inf")
-    for _ in range(repeats):
-        t_short = _batch(server.url, prompts, short)
-        t_long = _batch(server.url, prompts, short + new_tokens)
-        step_s = min(step_s, (t_long - t_short) / new_tokens)
-    return {"context": context, "batch": batch, "decode_tokens_per_s": round(batch / step_s, 2),
-            "ms_per_decode_step": round(1000 * step_s, 2), "prefill_s": round(prefill_s, 2)}
+    if any(not s or s[-1][1] != new_tokens for s in streams):
+        raise RuntimeError(f"a request did not stream {new_tokens} tokens: {[s[-1:] for s in streams]}")
+    all_decoding = max(s[0][0] for s in streams)  # every request has its first token
+    per_token = [(t1 - t0) / (n1 - n0) for s in streams for (t0, n0), (t1, n1) in zip(s, s[1:])
+                 if t0 >= all_decoding and n1 > n0]
+    if len(per_token) < batch * 8:
+        raise RuntimeError(f"too few decode steps with the whole batch running ({len(per_token)}); raise --new-tokens")
+    step = statistics.median(per_token)
+    return {"context": context, "batch": batch, "decode_tokens_per_s": round(batch / step, 2),
+            "ms_per_decode_step": round(1000 * step, 2),
+            "ms_per_decode_step_mean": round(1000 * statistics.fmean(per_token), 2),
+            "decode_intervals": len(per_token), "prefill_s": round(all_decoding, 2)}
 
 
 def main() -> None:
@@ -86,7 +97,6 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 32768, 65536])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None,
                     help="OMP_NUM_THREADS of the servers (torch intra-op threads; default: all cores)")
     ap.add_argument("--backends", nargs="+", default=["torch_native", "nosa"])
@@ -115,9 +125,9 @@ def main() -> None:
         server = ServerProcess(ckpt, ["--attention-backend", backend, *flags],
                                os.path.join(work, f"{backend}.log"), env=env).wait_ready()
         try:
-            measure(server, 512, args.batch, 4, repeats=1)  # warm-up: first-call costs of a fresh server
+            measure(server, 512, args.batch, 16)  # warm-up: first-call costs of a fresh server
             for context in args.contexts:
-                row = {"backend": backend, **measure(server, context, args.batch, args.new_tokens, args.repeats)}
+                row = {"backend": backend, **measure(server, context, args.batch, args.new_tokens)}
                 print(json.dumps(row), flush=True)
                 results.append(row)
         finally:

@@ -77,10 +77,20 @@ def make_checkpoint(path: str, nosa_config=None, seed: int = 0, evict_scale: flo
 
 
 @torch.no_grad()
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, prefill_attention: str | None = None) -> list[int]:
     """Manual greedy loop with the KV cache: prefill the prompt, then one token per step (so the
-    HF model runs prefill rows through nosa_prefill and decode through NosaDecodeState)."""
-    out = model(torch.tensor([prompt]), use_cache=True)
+    HF model runs prefill rows through nosa_prefill and decode through NosaDecodeState).
+    ``prefill_attention`` (e.g. "sdpa"): run the prefill with that attention instead, as a server
+    with ``--prefill-attention-backend torch_native --decode-attention-backend nosa`` does."""
+    if prefill_attention is not None:
+        decode_attention = model.config._attn_implementation
+        model.set_attn_implementation(prefill_attention)
+        try:
+            out = model(torch.tensor([prompt]), use_cache=True)
+        finally:
+            model.set_attn_implementation(decode_attention)
+    else:
+        out = model(torch.tensor([prompt]), use_cache=True)
     past = out.past_key_values
     token = int(out.logits[0, -1].argmax())
     generated = [token]

@@ -6,6 +6,8 @@ otherwise keeps a core busy):
   chunked prefill of 128 tokens, radix cache on, context length 1024;
 - ``native``: the same checkpoint with --attention-backend torch_native;
 - ``dense``: a dense checkpoint, NosaConfig from $NOSA_CONFIG, page size 4;
+- ``decode_only``: the NOSA checkpoint with --prefill-attention-backend torch_native
+  --decode-attention-backend nosa (decode states built from a pool nosa never wrote);
 - ``malformed``: a checkpoint with an invalid 'nosa' section, which must fail at start-up.
 Decode-state accounting is read from the file the backend writes when $NOSA_SERVE_STATS_FILE is set.
 """
@@ -87,6 +89,9 @@ def servers(ckpts, tmp_path_factory):
                                 str(logs / "native.log")),
         "dense": ServerProcess(ckpts["dense"], ["--attention-backend", "nosa", "--page-size", "4", *COMMON],
                                str(logs / "dense.log"), env={"NOSA_CONFIG": NOSA_CFG.to_json()}),
+        "decode_only": ServerProcess(ckpts["nosa"], ["--prefill-attention-backend", "torch_native",
+                                                     "--decode-attention-backend", "nosa", *COMMON],
+                                     str(logs / "decode_only.log")),
     }
     try:
         for name, p in procs.items():
@@ -127,6 +132,15 @@ def test_long_prompts_match_hf(servers, hf_models, name):
             differs_from_dense |= served != servers["native"].generate(prompt, NEW)
     if name == "nosa":  # otherwise the test could not tell sparse from dense attention
         assert differs_from_dense
+
+
+def test_decode_attention_backend_alone_matches_hf(servers, hf_models):
+    """--decode-attention-backend nosa after a torch_native prefill: the HF model with a dense (sdpa)
+    prefill and NOSA decode steps gives the same tokens."""
+    for length, seed in LONG:
+        prompt = tiny.prompt_ids(length, seed)
+        want = tiny.hf_greedy(hf_models["nosa"], prompt, NEW, prefill_attention="sdpa")
+        assert servers["decode_only"].generate(prompt, NEW) == want, f"prompt length {length}"
 
 
 def test_prefix_cache_hit_matches_hf(servers, hf_models):
