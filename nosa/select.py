@@ -16,8 +16,9 @@ Selection for a query at position t (context length t + 1, current block cur = t
    blocks the same score whenever their best window straddles the boundary, and repeated text gives
    distant blocks identical keys, so ties are common: they are broken by the static block mean of
    ``cis``, then by the lower block index, which keeps this part static. A KV head whose eviction
-   head is off (A = 0, every static key exactly 0) ranks these blocks by the query-aware score
-   instead (then by index): that is exactly InfLLM-v2's query-aware top-K, the training-free mode.
+   head is off (A = 0: every static key of an existing block exactly 0, or -inf where no window is
+   complete yet) ranks these blocks by the query-aware score instead (then by index): that is
+   exactly InfLLM-v2's query-aware top-K, the training-free mode.
 
 If at most K blocks exist, all of them are selected.
 
