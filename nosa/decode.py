@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nosa.attention import NEG_INF, compute_dtype, dense_attention, selected_tokens
+from nosa.attention import NEG_INF, attend_gathered, dense_attention, selected_tokens
 from nosa.compress import compress_windows, pool_to_blocks
 from nosa.config import NosaConfig
 from nosa.eviction import block_means
@@ -38,7 +38,6 @@ class NosaDecodeState:
     def __init__(self, cfg: NosaConfig, num_kv_heads: int, head_dim: int, device=None):
         self.cfg = cfg
         self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
         self.length = 0
         self._ck = _Growable((num_kv_heads, 0, head_dim), torch.float32, device)
         self._cis = _Growable((0, num_kv_heads), torch.float32, device)
@@ -202,22 +201,12 @@ def decode_attend(
     heads = torch.arange(hkv, device=q.device)[:, None]
     rows_kv = slots * hkv + heads  # pool row of (slot, head) in the [N * Hkv, D] view
     rows_cis = tokens * hkv + heads  # row of (token, head) in a state's [L * Hkv] cis
-    k_flat, v_flat = k_pool.reshape(-1, d), v_pool.reshape(-1, v_pool.shape[-1])  # views of SGLang's buffers
-    dt = compute_dtype(q)
-    group = hq // hkv
-    # One sequence at a time: its gathered K/V (Hkv * T rows) stay in cache between gather and
-    # matmul; batching all sequences' gathers first measured ~3x slower on CPU.
-    k_sel = k_pool.new_empty(rows_kv.shape[1] * rows_kv.shape[2], d)
-    v_sel = v_pool.new_empty(rows_kv.shape[1] * rows_kv.shape[2], v_pool.shape[-1])
-    for j, i in enumerate(sparse):
-        torch.index_select(k_flat, 0, rows_kv[j].flatten(), out=k_sel)
-        cis = states[i].cis.reshape(-1).index_select(0, rows_cis[j].flatten()).view(hkv, 1, -1)
-        bias = torch.where(valid[j][:, None, :], cis.to(dt), NEG_INF)  # [Hkv, 1, T]
-        qg = q[i].to(dt).view(hkv, group, d)
-        logits = torch.baddbmm(bias, qg, k_sel.to(dt).view(hkv, -1, d).transpose(1, 2), alpha=scale)
-        probs = torch.softmax(logits, dim=-1)
-        torch.index_select(v_flat, 0, rows_kv[j].flatten(), out=v_sel)
-        out[i] = torch.bmm(probs, v_sel.to(dt).view(hkv, -1, v_pool.shape[-1])).view(hq, -1).to(q.dtype)
+    cis = torch.stack([states[i].cis.reshape(-1).index_select(0, rows_cis[j].flatten()).view(hkv, -1)
+                       for j, i in enumerate(sparse)])
+    bias = torch.where(valid, cis, NEG_INF)  # [n, Hkv, T]
+    # k_pool.reshape is a view of SGLang's contiguous buffers
+    out[sparse] = attend_gathered(q[sparse], k_pool.reshape(-1, d), v_pool.reshape(-1, v_pool.shape[-1]),
+                                  rows_kv, bias, scale)
     return out
 
 
