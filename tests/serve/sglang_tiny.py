@@ -14,6 +14,18 @@ import torch
 VOCAB = 320  # 256 bytes + specials, padded
 
 
+def cpu_engine_missing() -> str | None:
+    """Why SGLang's CPU engine cannot run here, or None. It imports *_cpu helpers from sgl_kernel
+    (scripts/install_sglang_cpu.sh); the serving tests skip with this message."""
+    try:
+        import sgl_kernel
+    except Exception as err:  # a CUDA build without libcuda raises OSError/ImportError
+        return f"sgl_kernel is not importable ({err}); run scripts/install_sglang_cpu.sh"
+    if not hasattr(sgl_kernel, "assign_req_to_token_pool_cpu"):
+        return "this sgl_kernel has no CPU helpers; run scripts/install_sglang_cpu.sh on a CPU machine"
+    return None
+
+
 def make_tokenizer(path: str) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -11,12 +11,12 @@ import sys
 import pytest
 
 pytest.importorskip("sglang")
-from test_sglang_backend import _MISSING  # noqa: E402  (skips the module the same way)
+import sglang_tiny as tiny  # noqa: E402  (tests/serve is on sys.path: rootdir-relative import mode)
 
+_MISSING = tiny.cpu_engine_missing()
 if _MISSING:
     pytest.skip(_MISSING, allow_module_level=True)
 
-import sglang_tiny as tiny  # noqa: E402
 import torch  # noqa: E402
 
 import nosa  # noqa: E402

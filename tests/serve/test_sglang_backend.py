@@ -23,24 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 pytest.importorskip("sglang")
+import sglang_tiny as tiny  # noqa: E402  (tests/serve is on sys.path: rootdir-relative import mode)
 
-
-def _cpu_engine_missing() -> str | None:
-    """SGLang's CPU engine imports *_cpu helpers from sgl_kernel (scripts/install_sglang_cpu.sh)."""
-    try:
-        import sgl_kernel
-    except Exception as err:  # a CUDA build without libcuda raises OSError/ImportError
-        return f"sgl_kernel is not importable ({err}); run scripts/install_sglang_cpu.sh"
-    if not hasattr(sgl_kernel, "assign_req_to_token_pool_cpu"):
-        return "this sgl_kernel has no CPU helpers; run scripts/install_sglang_cpu.sh on a CPU machine"
-    return None
-
-
-_MISSING = _cpu_engine_missing()
+_MISSING = tiny.cpu_engine_missing()
 if _MISSING:
     pytest.skip(_MISSING, allow_module_level=True)
 
-import sglang_tiny as tiny  # noqa: E402  (tests/serve is on sys.path: rootdir-relative import mode)
 import torch  # noqa: E402
 
 import nosa  # noqa: E402
