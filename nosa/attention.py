@@ -173,32 +173,51 @@ def _attend_each_row(q, k, v, cis, sel, positions, cfg: NosaConfig, scale: float
     tokens, valid = selected_tokens(sel, positions + 1, cfg.block_size)  # [n, Hkv, T]
     rows = tokens * hkv + torch.arange(hkv, device=q.device)[:, None]  # row of (token, head) in [L*Hkv]
     bias = torch.where(valid, cis.reshape(-1).index_select(0, rows.flatten()).view_as(rows), NEG_INF)
-    return attend_gathered(q, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]), rows, bias, scale)
+    return attend_gathered(q, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]), rows, bias, scale)[0]
 
 
 def attend_gathered(
     q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor, scale: float
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query row over its own keys, gathered from a pool of (token, KV head) rows.
 
-    q [n, Hq, D]; k_rows, v_rows [N, D] (e.g. a [L, Hkv, D] cache viewed as [L * Hkv, D]); rows
-    [n, Hkv, T] long, the pool rows of row i's keys for each KV head; bias [n, Hkv, T] added to the
-    logits (cis, -inf for keys to skip). Returns [n, Hq, Dv]. One row at a time, so its gathered
-    K/V stay in cache between gather and matmul: gathering every row first measured about 3x slower
-    on CPU. Prefill (``_attend_each_row``) and batched decode (``nosa.decode.decode_attend``) use it.
+    q [n, Hq, D]; k_rows, v_rows [N, D] (e.g. a [L, Hkv, D] cache viewed as [L * Hkv, D], or a
+    device block cache [S, B, D] viewed as [S * B, D]); rows [n, Hkv, T] long, the pool rows of row
+    i's keys for each KV head; bias [n, Hkv, T] added to the logits (cis, -inf for keys to skip).
+    Returns (out [n, Hq, Dv] in q's dtype, lse [n, Hq] float32): lse is the natural log of the sum
+    of exp(scale * q.k + bias) over the row's keys, so results over disjoint key sets merge exactly
+    (``merge_attention``); a row with no key gets out 0 and lse -inf.
+    One row at a time, so its gathered K/V stay in cache between gather and matmul: gathering every
+    row first measured about 3x slower on CPU. Prefill (``_attend_each_row``) and decode
+    (``nosa.decode``) use it.
     """
     n, hq, d = q.shape
     hkv = rows.shape[1]
     dt = compute_dtype(q)
-    outs = []
+    outs, lses = [], []
     for i in range(n):
         index = rows[i].flatten()
         k_i = k_rows.index_select(0, index).to(dt).view(hkv, -1, d)
         qg = q[i].to(dt).view(hkv, hq // hkv, d)
         logits = torch.baddbmm(bias[i, :, None, :].to(dt), qg, k_i.transpose(1, 2), alpha=scale)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [Hkv, G, 1]
+        probs = torch.exp(logits - lse.masked_fill(lse == NEG_INF, 0.0))  # no key: all 0, not NaN
         v_i = v_rows.index_select(0, index).to(dt).view(hkv, -1, v_rows.shape[-1])
-        outs.append(torch.bmm(torch.softmax(logits, dim=-1), v_i).view(hq, -1))
-    return torch.stack(outs).to(q.dtype)
+        outs.append(torch.bmm(probs, v_i).view(hq, -1))
+        lses.append(lse.view(hq))
+    return torch.stack(outs).to(q.dtype), torch.stack(lses).float()
+
+
+def merge_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge attention over disjoint key sets into attention over their union, exactly.
+
+    outs: tensors [..., Dv]; lses: the matching [...] float32 log-sum-exps (-inf for an empty part).
+    Returns (out [..., Dv] in the dtype of outs[0], lse [...]): out = sum_p exp(lse_p - lse) out_p.
+    """
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    safe = lse.masked_fill(lse == NEG_INF, 0.0)
+    out = sum(torch.exp(part - safe)[..., None] * o.float() for o, part in zip(outs, lses))
+    return out.to(outs[0].dtype), lse
 
 
 def selected_tokens(sel: torch.Tensor, lengths: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -206,7 +206,7 @@ def decode_attend(
     bias = torch.where(valid, cis, NEG_INF)  # [n, Hkv, T]
     # k_pool.reshape is a view of SGLang's contiguous buffers
     out[sparse] = attend_gathered(q[sparse], k_pool.reshape(-1, d), v_pool.reshape(-1, v_pool.shape[-1]),
-                                  rows_kv, bias, scale)
+                                  rows_kv, bias, scale)[0]
     return out
 
 
