@@ -26,18 +26,20 @@ class NosaConfig:
     + ``query_blocks`` free query-aware picks + the rest of the ``topk_blocks`` budget filled by the
     query-agnostic eviction score. Contexts of at most ``dense_len`` tokens use dense attention.
 
-    Defaults are the released NOSA values (block 64, kernel 32, stride 16, 1 sink, 16 window,
-    64 total, 16 free picks); ``dense_len`` defaults to the budget in tokens (4096), below which a
-    sparse selection would pick every block anyway.
+    Defaults are the released NOSA values (thunlp/NOSA: block 64, kernel 32, stride 16, 1 sink, a
+    window of the current block and the 16 before it = 17 blocks, 64 total, 15 free picks, so the
+    query-aware set is 1 + 17 + 15 = 33 blocks and the locality bound is 15 + 1 = 16 blocks per
+    step); ``dense_len`` defaults to the budget in tokens (4096), below which a sparse selection
+    would pick every block anyway.
     """
 
     block_size: int = 64
     compress_kernel: int = 32
     compress_stride: int = 16
     sink_blocks: int = 1
-    window_blocks: int = 16
+    window_blocks: int = 17
     topk_blocks: int = 64
-    query_blocks: int = 16
+    query_blocks: int = 15
     dense_len: int = 4096
 
     def __post_init__(self) -> None:

@@ -5,11 +5,12 @@ from nosa import NosaConfig
 
 def test_defaults_are_the_released_nosa_values():
     cfg = NosaConfig()
-    released = (64, 32, 16, 1, 16, 64, 16)
+    released = (64, 32, 16, 1, 17, 64, 15)  # thunlp/NOSA: window = current block + 16 before it
     got = (cfg.block_size, cfg.compress_kernel, cfg.compress_stride, cfg.sink_blocks,
            cfg.window_blocks, cfg.topk_blocks, cfg.query_blocks)
     assert got == released
-    assert cfg.budget_tokens == 4096 and cfg.max_blocks_entering_per_step == 17
+    assert cfg.budget_tokens == 4096 and cfg.max_blocks_entering_per_step == 16
+    assert cfg.sink_blocks + cfg.window_blocks + cfg.query_blocks == 33  # the release's query-aware set
 
 
 @pytest.mark.parametrize(

@@ -136,3 +136,22 @@ def test_pooling_equals_the_overlap_rule(cfg):
         parts = torch.maximum(pool_to_blocks(scores[:, :split], nb, cfg),
                               pool_to_blocks(scores[:, split:], nb, cfg, first_window=split))
         assert torch.equal(parts, want), (cfg, length)
+
+
+def test_released_defaults_pin_the_selection():
+    """NosaConfig()'s selection on a fixed input, worked out by hand (so the released values, window
+    = current block + 16 before it and 15 free picks, cannot drift). 80 blocks, the row in block 79;
+    query score = block index; eviction score 1 for even blocks, 0.5 for odd ones, equal means."""
+    cfg = NosaConfig()
+    nb, t = 80, 79 * 64 + 10
+    qs = torch.arange(nb, dtype=torch.float32)[None, None].repeat(1, 2, 1)
+    evict = torch.zeros(1, 2, nb, 2)
+    evict[0, 0, :, 0] = torch.where(torch.arange(nb) % 2 == 0, 1.0, 0.5)  # KV head 0: A != 0; head 1: A = 0
+    sel = select_blocks(qs, evict, torch.tensor([t]), cfg)[0]
+    window = list(range(63, 80))  # blocks cur-16 .. cur: 17 blocks
+    picks = list(range(48, 63))  # the 15 best query scores outside sink and window
+    evicted = list(range(2, 47, 2)) + list(range(1, 16, 2))  # 23 even blocks, then 8 odd ones by index
+    assert sel[0].tolist() == sorted([0] + evicted + picks + window)
+    assert sel[1].tolist() == [0] + list(range(17, 80))  # A = 0: the rest by query score (InfLLM-v2)
+    for h in range(2):
+        assert sel[h].tolist() == oracle_select(qs[0, h].tolist(), evict[0, h].tolist(), t, cfg)
