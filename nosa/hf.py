@@ -19,6 +19,7 @@ from nosa.attention import nosa_prefill
 from nosa.config import CONFIG_KEY, NosaConfig
 from nosa.decode import NosaDecodeState
 from nosa.eviction import MODULE_NAME, EvictionHead, read_eviction_tensors
+from nosa.kv import ContiguousKV
 
 ATTN_IMPLEMENTATION = "nosa"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -167,14 +168,12 @@ def _decode(states, b, q, k_seq, v_seq, evict, cfg, scale) -> torch.Tensor:
     ) if length > 1 else True
     if fresh:
         state = NosaDecodeState(cfg, k_seq.shape[1], k_seq.shape[2], device=k_seq.device)
-        if length > 1:
-            with torch.no_grad():
-                state.append(k_seq[: length - 1], evict(v_seq[: length - 1]))
         states[b] = state
-    with torch.no_grad():
-        state.append(k_seq, evict(v_seq[length - 1 :]))
+    with torch.no_grad():  # cis of every token: the HF cache holds no eviction scores
+        kv = ContiguousKV(k_seq, v_seq, evict(v_seq))
+        state.append(kv)
     state.probe = k_seq[length - 1].clone()
-    return state.attend(q, k_seq, v_seq, scale)
+    return state.attend(q, kv, scale)
 
 
 def _valid_keys(mask: torch.Tensor | None, bsz: int, kv_len: int, device) -> torch.Tensor:

@@ -38,6 +38,8 @@ ranking falls to the query-aware score and only the budget bounds the churn.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from nosa.compress import pool_to_blocks
@@ -129,7 +131,7 @@ def select_blocks(
     # infinite). Keys are mapped to order-preserving integers: ``major`` (tier, eviction score) and a
     # unique ``minor`` (block mean, query score, -index); the budget is every block whose major key
     # beats the k-th largest, then the best ties at that key by minor. Top-k, never a full sort.
-    live = (exists[..., None] & torch.isfinite(evict) & (evict != 0)).flatten(-2).any(-1)  # [R, Hkv]
+    live = _live_heads(exists, evict)  # [R, Hkv]
     index_key = _lower_index_first(nb, device)
     mean = evict[..., 1]
     minor_live = (_ordered(mean) << _INDEX_BITS) | index_key
@@ -155,6 +157,46 @@ def select_blocks(
     return chosen
 
 
+def static_selection(evict_scores: torch.Tensor, positions: torch.Tensor, cfg: NosaConfig) -> torch.Tensor:
+    """The part of the selection that does not depend on the query, for prefetching.
+
+    evict_scores: [R, Hkv, NB, 2] static block keys; positions: [R], the position the query will
+    have. Returns [R, Hkv, K] long, ascending, -1 padded: the forced blocks (sinks, window) and,
+    for heads whose eviction head is on, the top ``K - |F| - query_blocks`` other blocks by static
+    eviction score. By the locality theorem these are selected whatever the query is, so
+    ``static_selection(...)`` is a subset of ``select_blocks(any query scores, ...)`` row by row.
+    Heads with A = 0 rank by the query, so only their forced blocks are static.
+    """
+    rows, hkv, nb, _ = evict_scores.shape
+    static_cfg = dataclasses.replace(cfg, topk_blocks=cfg.topk_blocks - cfg.query_blocks, query_blocks=0)
+    no_query = evict_scores.new_full((rows, hkv, nb), NEG_INF)
+    sel = select_blocks(no_query, evict_scores, positions, static_cfg)  # [R, Hkv, K - P]
+    block = torch.arange(nb, device=evict_scores.device)
+    cur = (positions // cfg.block_size)[:, None, None]
+    exists = (block[None, :] <= cur[:, 0])[:, None, :].expand(rows, hkv, nb)
+    live = _live_heads(exists, evict_scores.float())  # [R, Hkv]
+    forced = (sel >= 0) & ((sel < cfg.sink_blocks) | (sel > cur - cfg.window_blocks))
+    sel = torch.where(live[..., None] | forced, sel, -1)
+    last = torch.iinfo(torch.int64).max  # ascending block indices, the dropped ones (-1) at the end
+    sel = torch.where(sel >= 0, sel, last).sort(dim=-1).values
+    sel = torch.where(sel == last, -1, sel)
+    pad = sel.new_full((rows, hkv, cfg.query_blocks), -1)
+    return torch.cat([sel, pad], dim=-1)
+
+
+def selection_change(previous: torch.Tensor, current: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which blocks entered and which left between two selections.
+
+    previous, current: [..., K] block indices (-1 = none). Returns (entered, left), both [..., K]
+    long: the blocks of ``current`` not in ``previous`` and of ``previous`` not in ``current``,
+    in their original order, the other entries -1."""
+    prev, cur = previous.unsqueeze(-1), current.unsqueeze(-2)
+    same = (prev == cur) & (prev >= 0)  # [..., K, K]
+    entered = torch.where((current >= 0) & ~same.any(dim=-2), current, -1)
+    left = torch.where((previous >= 0) & ~same.any(dim=-1), previous, -1)
+    return entered, left
+
+
 def selection_mask(selection: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[..., K] block indices (-1 = none) -> [..., NB] bool."""
     valid = selection >= 0
@@ -171,6 +213,11 @@ def blocks_entering(previous: torch.Tensor, current: torch.Tensor) -> torch.Tens
     cur = current.unsqueeze(-2)  # [..., 1, K]
     present = ((prev == cur) & (prev >= 0)).any(dim=-2)  # [..., K]
     return ((current >= 0) & ~present).sum(dim=-1)
+
+
+def _live_heads(exists: torch.Tensor, evict: torch.Tensor) -> torch.Tensor:
+    """[R, Hkv] whether a head's eviction head is on: some existing block has a finite, non-zero key."""
+    return (exists[..., None] & torch.isfinite(evict) & (evict != 0)).flatten(-2).any(-1)
 
 
 _INDEX_BITS = 29  # block indices and ranks below 2**29 (contexts up to 2**29 blocks)

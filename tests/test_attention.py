@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nosa import EvictionHead, NosaConfig, NosaDecodeState, nosa_prefill, nosa_prefill_varlen
+from nosa.kv import ContiguousKV, PagedKV
 
 
 def sdpa(q, k, v, scale):
@@ -42,8 +43,9 @@ def test_full_budget_and_zero_a_equals_dense_sdpa(hq, hkv):
     state = NosaDecodeState(cfg, hkv, d)
     ref = sdpa(q, k, v, d**-0.5)
     for t in range(length):
-        state.append(k[: t + 1], cis[t : t + 1])
-        torch.testing.assert_close(state.attend(q[t], k[: t + 1], v[: t + 1], d**-0.5), ref[t], atol=2e-6, rtol=1e-5)
+        kv = ContiguousKV(k[: t + 1], v[: t + 1], cis[: t + 1])
+        state.append(kv)
+        torch.testing.assert_close(state.attend(q[t], kv, d**-0.5), ref[t], atol=2e-6, rtol=1e-5)
 
 
 def cfg_blocks(length, block=16):
@@ -98,8 +100,9 @@ def test_decode_equals_prefill_row_for_row(cfg):
     out, sel = nosa_prefill(q, k, v, cis, cfg, d**-0.5)
     state = NosaDecodeState(cfg, hkv, d)
     for t in range(length):
-        state.append(k[: t + 1], cis[t : t + 1])
-        o = state.attend(q[t], k[: t + 1], v[: t + 1], d**-0.5)
+        kv = ContiguousKV(k[: t + 1], v[: t + 1], cis[: t + 1])
+        state.append(kv)
+        o = state.attend(q[t], kv, d**-0.5)
         assert torch.equal(state.selection, sel[t]), t
         torch.testing.assert_close(o, out[t], atol=2e-6, rtol=1e-5)
     assert state.num_windows == cfg.num_compressed(length)
@@ -113,10 +116,11 @@ def test_decode_appends_in_chunks_like_one_token_at_a_time():
     cis = cis.detach()
     a, b = NosaDecodeState(cfg, hkv, d), NosaDecodeState(cfg, hkv, d)
     for t in range(length):
-        a.append(k[: t + 1], cis[t : t + 1])
-    b.append(k[:97], cis[:97])
-    b.append(k, cis[97:])
-    torch.testing.assert_close(a.attend(q[-1], k, v, 0.3), b.attend(q[-1], k, v, 0.3))
+        a.append_tokens(k[: t + 1], cis[: t + 1])
+    b.append_tokens(k[:97], cis[:97])
+    b.append_tokens(k, cis)
+    kv = ContiguousKV(k, v, cis)
+    torch.testing.assert_close(a.attend(q[-1], kv, 0.3), b.attend(q[-1], kv, 0.3))
 
 
 class _MaxNumel(TorchDispatchMode):
@@ -139,13 +143,13 @@ def test_decode_memory_is_linear_in_context():
     q, k, v = make(length, hq, hkv, d, seed=2)
     cis = torch.zeros(length, hkv)
     state = NosaDecodeState(cfg, hkv, d)
-    state.append(k[:-1], cis[:-1])
+    state.append_tokens(k[:-1], cis[:-1])
+    kv = ContiguousKV(k, v, cis)
     with _MaxNumel() as probe:
-        state.append(k, cis[-1:])
-        state.attend(q[-1], k, v, 0.3)
+        state.append(kv)
+        state.attend(q[-1], kv, 0.3)
     assert probe.max_numel <= 8 * length * hkv  # O(L); L * L would be 4M
     assert probe.max_numel < length * length / 50
-    assert state.cis.shape == (length, hkv)
     assert state.compressed_keys.shape[1] == cfg.num_compressed(length)
 
 
@@ -202,13 +206,17 @@ def test_decode_on_a_paged_pool_equals_contiguous(dense_len):
     k_pool, v_pool = torch.randn(length + 30, hkv, d), torch.randn(length + 30, hkv, d)
     k_pool[slots], v_pool[slots] = k, v
     flat, paged = NosaDecodeState(cfg, hkv, d), NosaDecodeState(cfg, hkv, d)
-    flat.append(k[:100], cis[:100])
-    paged.append(k_pool, cis[:100], slots=slots[:100])
+    cis_pool = torch.randn(length + 30, hkv)
+    cis_pool[slots] = cis
+    flat.append_tokens(k[:100], cis[:100])
+    paged.append(PagedKV(k_pool, v_pool, cis_pool, slots[None], torch.tensor([0]), [100]))
     for t in range(100, length):
-        flat.append(k[: t + 1], cis[t : t + 1])
-        paged.append(k_pool, cis[t : t + 1], slots=slots[: t + 1])
-        want = flat.attend(q[t], k[: t + 1], v[: t + 1], 0.3)
-        got = paged.attend(q[t], k_pool, v_pool, 0.3, slots=slots[: t + 1])
+        flat_kv = ContiguousKV(k[: t + 1], v[: t + 1], cis[: t + 1])
+        paged_kv = PagedKV(k_pool, v_pool, cis_pool, slots[None], torch.tensor([0]), [t + 1])
+        flat.append(flat_kv)
+        paged.append(paged_kv)
+        want = flat.attend(q[t], flat_kv, 0.3)
+        got = paged.attend(q[t], paged_kv, 0.3)
         assert torch.equal(flat.selection, paged.selection)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
@@ -229,25 +237,61 @@ def test_batched_decode_equals_prefill_of_each_sequence(dense_len):
     total = sum(n + steps for n in starts)
     perm = torch.randperm(total + 50)
     k_pool, v_pool = torch.randn(total + 50, hkv, d), torch.randn(total + 50, hkv, d)
+    cis_pool = torch.randn(total + 50, hkv)
     table = torch.zeros(5, 400, dtype=torch.int32)  # rows 4, 1, 2 hold the sequences
     table_rows = torch.tensor([4, 1, 2])
     used = 0
-    for row, (q, k, v) in zip(table_rows.tolist(), seqs):
+    for row, (q, k, v), c in zip(table_rows.tolist(), seqs, cis):
         slots = perm[used : used + k.shape[0]]
         used += k.shape[0]
-        k_pool[slots], v_pool[slots] = k, v
+        k_pool[slots], v_pool[slots], cis_pool[slots] = k, v, c
         table[row, : k.shape[0]] = slots.int()
+
+    def view(extra):
+        return PagedKV(k_pool, v_pool, cis_pool, table, table_rows, [n + extra for n in starts])
+
     states = [NosaDecodeState(cfg, hkv, d) for _ in seqs]
-    for state, n, row, c in zip(states, starts, table_rows.tolist(), cis):
-        state.append(k_pool, c[:n], slots=table[row, :n])
+    for i, state in enumerate(states):
+        state.append(view(0), seq=i)
     for step in range(steps):
-        for state, n, row, c in zip(states, starts, table_rows.tolist(), cis):
-            t = n + step
-            state.append(k_pool, c[t : t + 1], slots=table[row, : t + 1])
+        kv = view(step + 1)
+        for i, state in enumerate(states):
+            state.append(kv, seq=i)
         q = torch.stack([s[0][n + step] for s, n in zip(seqs, starts)])
-        out = decode_attend(states, q, k_pool, v_pool, 0.3, slot_table=table, table_rows=table_rows)
+        out = decode_attend(states, q, kv, 0.3)
         for i, (n, (o_ref, sel_ref)) in enumerate(zip(starts, want)):
             assert torch.equal(states[i].selection, sel_ref[n + step]), (i, step)
             torch.testing.assert_close(out[i], o_ref[n + step], atol=2e-6, rtol=1e-5)
-    with pytest.raises(ValueError, match="slot table"):
-        decode_attend(states, q, k_pool, v_pool, 0.3)
+
+
+def masked_reference(q, k, v, cis, sel, cfg, scale):
+    """Plain autograd attention over all L keys with each row's selection as a mask (float64)."""
+    length, hkv = k.shape[0], k.shape[1]
+    group = q.shape[1] // hkv
+    tok_block = torch.arange(length) // cfg.block_size
+    allowed = (sel[..., None] == tok_block).any(dim=-2)  # [n, Hkv, L]
+    allowed &= torch.arange(length)[None, None, :] <= torch.arange(length)[:, None, None]
+    logits = torch.einsum("nhd,lhd->nhl", q, k.repeat_interleave(group, 1)) * scale
+    logits = logits + cis.repeat_interleave(group, 1).T[None]
+    logits = logits.masked_fill(~allowed.repeat_interleave(group, 1), float("-inf"))
+    return torch.einsum("nhl,lhd->nhd", torch.softmax(logits, dim=-1), v.repeat_interleave(group, 1))
+
+
+@pytest.mark.parametrize("union_limit", [0, 1, 2, 1000])
+def test_selected_attention_gradients_equal_autograd_reference(union_limit, monkeypatch):
+    """The hand-written backward of the selected-block attention (groups of rows over a shared union,
+    split rows, single rows) gives autograd's gradients of the masked float64 reference."""
+    monkeypatch.setattr("nosa.attention.UNION_LIMIT", union_limit)
+    cfg = NosaConfig.tiny(topk_blocks=5, query_blocks=2)
+    length, hq, hkv, d = 200, 6, 2, 8
+    q, k, v = (t.double().requires_grad_() for t in make(length, hq, hkv, d, seed=12))
+    cis = (torch.randn(length, hkv, dtype=torch.float64) * 0.5).requires_grad_()
+    out, sel = nosa_prefill(q, k, v, cis, cfg, 0.4, row_chunk=48)
+    ref = masked_reference(q, k, v, cis, sel, cfg, 0.4)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    weight = torch.randn_like(out)
+    got = torch.autograd.grad((out * weight).sum(), (q, k, v, cis))
+    want = torch.autograd.grad((ref * weight).sum(), (q, k, v, cis))
+    for name, a, b in zip("q k v cis".split(), got, want):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9, msg=name)
+    assert sel.shape[-1] == 5 and cfg.num_blocks(length) == 13  # the budget is below the context

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nosa import EvictionHead, NosaConfig, NosaDecodeState
+from nosa.kv import ContiguousKV
 from nosa.kernels.sparse_decode import sparse_decode, sparse_decode_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,8 +33,9 @@ def paged_case(lens, hq, hkv, d, cfg, seed=0, a=0.7):
         start += n
         table[b, :n] = s.int()
         state = NosaDecodeState(cfg, hkv, d)
-        state.append(k_pool[s], cis_pool[s])
-        spec_out.append(state.attend(q[b], k_pool[s], v_pool[s], d**-0.5))
+        kv = ContiguousKV(k_pool[s], v_pool[s], cis_pool[s])
+        state.append(kv)
+        spec_out.append(state.attend(q[b], kv, d**-0.5))
         sels.append(state.selection)
     args = dict(q=q, k_pool=k_pool, v_pool=v_pool, cis_pool=cis_pool, token_table=table,
                 selection=torch.stack(sels).int(), seq_lens=torch.tensor(lens, dtype=torch.int32))

@@ -38,7 +38,7 @@ def test_blocks_entering_per_step_never_exceed_the_bound(cfg, seed, steps, repea
     state = NosaDecodeState(cfg, hkv, d)
     budget_binding = 0
     for t in range(steps):
-        state.append(k[: t + 1], cis[t : t + 1])
+        state.append_tokens(k[: t + 1], cis[: t + 1])
         state.select(q[t], d**-0.5)
         if state.entering is None:
             continue

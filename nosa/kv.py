@@ -1,0 +1,106 @@
+"""KV views: how the decode path reads keys, values and eviction scores without knowing where they live.
+
+``NosaDecodeState`` keeps selection state only (compressed keys, static block keys, the previous
+selection). Everything per token (K, V and the eviction score ``cis``) stays in a pool that the
+caller owns, and the decode path reaches it through one small object, a KV view, with two duties:
+
+- ``keys(i, lo, hi)`` / ``cis(i, lo, hi)``: tokens ``[lo, hi)`` of sequence ``i`` ([n, Hkv, D] and
+  [n, Hkv] float32), read when a state appends tokens (the newest compressed window, completed
+  blocks) or catches up after a prefill;
+- ``resolve(blocks, lengths)``: make the given blocks of every sequence readable by attention and
+  say where they are: ``DeviceRows`` (row-major K/V/cis buffers plus, per sequence, KV head and
+  token of the blocks, the buffer row and whether the token is real).
+
+The views here read pools that attention can index directly: ``ContiguousKV`` (one sequence, the
+HF cache) and ``PagedKV`` (SGLang's token-slot pool behind ``req_to_token``). The offloading
+server's view (``nosa.serve.offload``) resolves by diffing against the blocks resident in a
+device block cache and recalling the misses from host memory. Shapes: R sequences, Hkv KV heads,
+D head dim, B block size, W blocks per (sequence, head), -1 = no block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nosa.attention import selected_tokens
+
+
+@dataclass
+class DeviceRows:
+    """Where the resolved blocks are: k [N, D], v [N, Dv], cis [N] float32 (row-major buffers that
+    attention indexes), rows [R, Hkv, T] long (buffer row of each key), valid [R, Hkv, T] bool
+    (False: padding, or a position at or past the sequence's length)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cis: torch.Tensor
+    rows: torch.Tensor
+    valid: torch.Tensor
+
+
+class ContiguousKV:
+    """One sequence whose K/V/cis are plain tensors: k, v [L, Hkv, D], cis [L, Hkv]."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor | None, cis: torch.Tensor):
+        if cis.shape != k.shape[:2] or (v is not None and v.shape[:2] != k.shape[:2]):
+            raise ValueError(
+                f"ContiguousKV: k {tuple(k.shape)}, v {None if v is None else tuple(v.shape)} and "
+                f"cis {tuple(cis.shape)} must agree on [L, Hkv]"
+            )
+        self.k, self.v, self.cis_all = k, v, cis
+
+    def length(self, i: int = 0) -> int:
+        return self.k.shape[0]
+
+    def keys(self, i: int, lo: int, hi: int) -> torch.Tensor:
+        return self.k[lo:hi]
+
+    def cis(self, i: int, lo: int, hi: int) -> torch.Tensor:
+        return self.cis_all[lo:hi]
+
+    def resolve(self, blocks: torch.Tensor, lengths: torch.Tensor, block_size: int) -> DeviceRows:
+        if self.v is None:
+            raise ValueError("ContiguousKV: values are needed to attend (built with v=None)")
+        tokens, valid = selected_tokens(blocks, lengths, block_size)
+        return _token_rows(self.k, self.v, self.cis_all, tokens, valid)
+
+
+class PagedKV:
+    """Sequences in a shared token-slot pool: k_pool, v_pool [N, Hkv, D], cis_pool [N, Hkv]; token t
+    of sequence i at pool row ``slot_table[table_rows[i], t]`` (SGLang's req_to_token); lengths [R]."""
+
+    def __init__(self, k_pool, v_pool, cis_pool, slot_table, table_rows, lengths):
+        if cis_pool.shape != k_pool.shape[:2]:
+            raise ValueError(f"PagedKV: cis_pool {tuple(cis_pool.shape)} must be [N, Hkv] = {tuple(k_pool.shape[:2])}")
+        self.k_pool, self.v_pool, self.cis_pool = k_pool, v_pool, cis_pool
+        self.slot_table, self.table_rows = slot_table, table_rows
+        self.lengths = [int(n) for n in lengths]
+
+    def length(self, i: int) -> int:
+        return self.lengths[i]
+
+    def slots(self, i: int, lo: int, hi: int) -> torch.Tensor:
+        return self.slot_table[self.table_rows[i], lo:hi].long()
+
+    def keys(self, i: int, lo: int, hi: int) -> torch.Tensor:
+        return self.k_pool.index_select(0, self.slots(i, lo, hi))
+
+    def cis(self, i: int, lo: int, hi: int) -> torch.Tensor:
+        return self.cis_pool.index_select(0, self.slots(i, lo, hi))
+
+    def resolve(self, blocks: torch.Tensor, lengths: torch.Tensor, block_size: int) -> DeviceRows:
+        tokens, valid = selected_tokens(blocks, lengths, block_size)  # [R, Hkv, T]
+        # slot_table[table_rows[i], tokens[i]] for every i, one index_select (advanced indexing is slower)
+        where = self.table_rows.to(tokens.device)[:, None, None] * self.slot_table.shape[1] + tokens
+        slots = self.slot_table.reshape(-1).index_select(0, where.flatten()).view_as(tokens).long()
+        return _token_rows(self.k_pool, self.v_pool, self.cis_pool, slots, valid)
+
+
+def _token_rows(k, v, cis, slots, valid) -> DeviceRows:
+    """Rows of (slot, head) in a token-major pool [N, Hkv, D] viewed as [N * Hkv, D]."""
+    hkv = k.shape[1]
+    heads = torch.arange(hkv, device=slots.device)[:, None]
+    return DeviceRows(k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]), cis.reshape(-1),
+                      slots * hkv + heads, valid)
