@@ -121,6 +121,53 @@ class NosaDecodeState:
         (e.g. ``nosa.kv.ContiguousKV(k, v, cis)``)."""
         return decode_attend([self], q[None], kv, scale)[0]
 
+    def prefill(self, q: torch.Tensor, kv, scale: float, seq: int = 0, row_chunk: int | None = None):
+        """Attention of the last n tokens of sequence ``seq`` of the KV view (q [n, Hq, D]), reading
+        the context only through the view: (out [n, Hq, D], selection [n, Hkv, K]), equal to
+        ``nosa_prefill`` on the whole context row for row.
+
+        The state catches up first (its compressed and static keys then cover the rows), each row is
+        selected from them, and each chunk of ``row_chunk`` rows gathers the union of its rows'
+        blocks (``kv.gather_blocks``), never the whole context: the offloading server's prefill.
+        """
+        from nosa.attention import _attend_selected, dense_attention
+        from nosa.select import query_block_scores
+
+        cfg = self.cfg
+        self.append(kv, seq)
+        n, length = q.shape[0], self.length
+        first, num_blocks = length - n, cfg.num_blocks(length)
+        if row_chunk is None:
+            row_chunk = max(1, round(64 / cfg.block_size)) * cfg.block_size
+        positions = torch.arange(first, length, device=q.device)
+        with torch.no_grad():
+            ck = self.compressed_keys.transpose(0, 1)  # [C, Hkv, D]
+            static = self.static_keys[None, :, :num_blocks]
+            sel = torch.cat([
+                select_blocks(query_block_scores(q[a : a + row_chunk].detach(), ck, positions[a : a + row_chunk],
+                                                 num_blocks, cfg, scale), static, positions[a : a + row_chunk], cfg)
+                for a in range(0, n, row_chunk)])
+        outs = []
+        dense_rows = min(n, max(0, cfg.dense_len - first))
+        if dense_rows:  # contexts within dense_len: every block, no eviction weighting
+            context = first + dense_rows
+            k, v, _ = kv.gather_blocks(seq, torch.arange(cfg.num_blocks(context), device=q.device), cfg.block_size)
+            outs.append(dense_attention(q[:dense_rows], k[:context], v[:context], scale))
+        start = dense_rows
+        while start < n:  # chunks aligned to multiples of row_chunk in absolute position
+            stop = min(n, (first + start) // row_chunk * row_chunk + row_chunk - first)
+            rows_sel = sel[start:stop]
+            union = torch.unique(rows_sel[rows_sel >= 0])  # ascending block ids, every KV head
+            k, v, cis = kv.gather_blocks(seq, union, cfg.block_size)
+            compact = torch.full((num_blocks,), -1, dtype=torch.long, device=q.device)
+            compact[union] = torch.arange(union.numel(), device=q.device)
+            sel_c = torch.where(rows_sel >= 0, compact[rows_sel.clamp(min=0)], -1)
+            pos = positions[start:stop]
+            pos_c = compact[pos // cfg.block_size] * cfg.block_size + pos % cfg.block_size
+            outs.append(_attend_selected(q[start:stop], k, v, cis, sel_c, pos_c, cfg, scale))
+            start = stop
+        return torch.cat(outs), sel
+
     def append_tokens(self, k: torch.Tensor, cis: torch.Tensor) -> None:
         """``append`` for a sequence held as plain tensors: k [L, Hkv, D], cis [L, Hkv] (all tokens)."""
         self.append(ContiguousKV(k, None, cis))

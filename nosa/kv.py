@@ -7,9 +7,12 @@ caller owns, and the decode path reaches it through one small object, a KV view,
 - ``keys(i, lo, hi)`` / ``cis(i, lo, hi)``: tokens ``[lo, hi)`` of sequence ``i`` ([n, Hkv, D] and
   [n, Hkv] float32), read when a state appends tokens (the newest compressed window, completed
   blocks) or catches up after a prefill;
-- ``resolve(blocks, lengths)``: make the given blocks of every sequence readable by attention and
-  say where they are: ``DeviceRows`` (row-major K/V/cis buffers plus, per sequence, KV head and
-  token of the blocks, the buffer row and whether the token is real).
+- ``resolve(blocks, lengths, block_size)``: make the given blocks of every sequence readable by
+  attention and say where they are: ``DeviceRows`` (row-major K/V/cis buffers plus, per sequence,
+  KV head and token of the blocks, the buffer row and whether the token is real). Decode uses it;
+- ``gather_blocks(i, blocks, block_size)``: blocks [U] of sequence i, every KV head, as compact
+  token-major tensors (k, v [U * B, Hkv, D], cis [U * B, Hkv]); a prefill chunk reads the union of
+  its rows' blocks this way (``NosaDecodeState.prefill``). Tokens past the length are garbage.
 
 The views here read pools that attention can index directly: ``ContiguousKV`` (one sequence, the
 HF cache) and ``PagedKV`` (SGLang's token-slot pool behind ``req_to_token``). The offloading
@@ -66,6 +69,10 @@ class ContiguousKV:
         tokens, valid = selected_tokens(blocks, lengths, block_size)
         return _token_rows(self.k, self.v, self.cis_all, tokens, valid)
 
+    def gather_blocks(self, i: int, blocks: torch.Tensor, block_size: int):
+        tokens = _block_token_ids(blocks, block_size).clamp(max=self.length() - 1)
+        return self.k[tokens], self.v[tokens], self.cis_all[tokens]
+
 
 class PagedKV:
     """Sequences in a shared token-slot pool: k_pool, v_pool [N, Hkv, D], cis_pool [N, Hkv]; token t
@@ -96,6 +103,16 @@ class PagedKV:
         where = self.table_rows.to(tokens.device)[:, None, None] * self.slot_table.shape[1] + tokens
         slots = self.slot_table.reshape(-1).index_select(0, where.flatten()).view_as(tokens).long()
         return _token_rows(self.k_pool, self.v_pool, self.cis_pool, slots, valid)
+
+    def gather_blocks(self, i: int, blocks: torch.Tensor, block_size: int):
+        tokens = _block_token_ids(blocks, block_size).clamp(max=self.lengths[i] - 1)
+        slots = self.slot_table[self.table_rows[i]].index_select(0, tokens).long()
+        return tuple(x.index_select(0, slots) for x in (self.k_pool, self.v_pool, self.cis_pool))
+
+
+def _block_token_ids(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[U] block ids -> [U * B] token positions."""
+    return (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).flatten()
 
 
 def _token_rows(k, v, cis, slots, valid) -> DeviceRows:
