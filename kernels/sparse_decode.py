@@ -7,9 +7,11 @@ indices (-1 = none, as returned by nosa.select.select_blocks); seq_lens [B]. Out
 
 out[b, h] = softmax_j(q[b, h] . k_j * scale + cis_j) v_j over the tokens j < seq_lens[b] of the
 selected blocks of KV head h // G: exactly nosa.NosaDecodeState.attend for contexts above
-dense_len (tests/test_kernels.py checks both equalities). The kernel runs one program per
-(sequence, KV head), all G query heads of the group together, with an online softmax over the K
-blocks; on CPU it runs under TRITON_INTERPRET=1 (tests only: ~1 ms per program).
+dense_len (tests/test_kernels.py checks both equalities). With ``return_lse=True`` both also return
+lse [B, Hq] float32 = log sum_j exp(logit_j) (-inf, out 0, when no token is valid), so partial
+results over disjoint key sets merge exactly (nosa.kernels.slot_decode has the same convention).
+The kernel runs one program per (sequence, KV head), all G query heads of the group together, with
+an online softmax over the K blocks; on CPU it runs under TRITON_INTERPRET=1 (tests only: ~1 ms per program).
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import torch
 from nosa.attention import gather_heads, selected_tokens
 
 
-def sparse_decode_reference(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale):
+def sparse_decode_reference(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale,
+                            return_lse: bool = False):
     """Pure-torch spec of the kernel (fp32 math). Shapes as in the module docstring."""
     bsz, hq, d = q.shape
     hkv = selection.shape[1]
     group = hq // hkv
     tokens, valid = selected_tokens(selection, seq_lens.long(), block_size)  # [B, Hkv, K*B]
     out = torch.empty(bsz, hq, v_pool.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device)
     for b in range(bsz):
         slots = token_table[b, tokens[b]].long()  # [Hkv, K*B]
         k = gather_heads(k_pool, slots).float()
@@ -33,13 +37,28 @@ def sparse_decode_reference(q, k_pool, v_pool, cis_pool, token_table, selection,
         bias = gather_heads(cis_pool, slots).float().masked_fill(~valid[b], float("-inf"))
         qg = q[b].float().reshape(hkv, group, d)
         logits = torch.einsum("hgd,htd->hgt", qg, k) * scale + bias[:, None, :]
-        out[b] = torch.einsum("hgt,htd->hgd", torch.softmax(logits, -1), v).reshape(hq, -1).to(q.dtype)
-    return out
+        row_lse = torch.logsumexp(logits, -1)  # [Hkv, G]
+        p = torch.exp(logits - torch.where(torch.isfinite(row_lse), row_lse, 0.0)[..., None])
+        out[b] = torch.einsum("hgt,htd->hgd", p, v).reshape(hq, -1).to(q.dtype)
+        lse[b] = row_lse.reshape(hq)
+    return (out, lse) if return_lse else out
 
 
-def sparse_decode(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale):
+def sparse_decode(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale,
+                  return_lse: bool = False):
     """Triton kernel launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    grid, args, consts = sparse_decode_plan(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens,
+                                            block_size, scale)
+    _kernel()[grid](*args, **consts)
+    out, lse = args[7], args[8]
+    return (out, lse) if return_lse else out
+
+
+def sparse_decode_plan(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale):
+    """(grid, args, constexprs) of the launch, shared with the ahead-of-time compile test."""
     import triton
+
+    from nosa.kernels.slot_decode import interpreting
 
     bsz, hq, d = q.shape
     hkv, topk = selection.shape[1], selection.shape[2]
@@ -52,21 +71,24 @@ def sparse_decode(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens,
         )
     if block_size & (block_size - 1):
         raise ValueError(f"sparse_decode: block_size={block_size} must be a power of two")
-    for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("q", q)):
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("q", q), ("token_table", token_table),
+                    ("selection", selection)):
         if t.stride(-1) != 1:
-            raise ValueError(f"sparse_decode: {name} must be contiguous in the head dimension")
+            raise ValueError(f"sparse_decode: {name} must be contiguous in its last dimension")
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise ValueError(f"sparse_decode: q, k_pool, v_pool dtypes differ: {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
     out = torch.empty(bsz, hq, v_pool.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device)
     group = hq // hkv
-    _kernel()[(bsz, hkv)](
-        q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, out,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        cis_pool.stride(0), cis_pool.stride(1), token_table.stride(0),
-        selection.stride(0), selection.stride(1), out.stride(0), out.stride(1),
-        scale,
-        TOPK=topk, BLOCK=block_size, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=d, HEAD_DIM_P=max(16, triton.next_power_of_2(d)),
-    )
-    return out
+    args = [q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, out, lse,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+            cis_pool.stride(0), cis_pool.stride(1), token_table.stride(0),
+            selection.stride(0), selection.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+            scale]
+    consts = dict(TOPK=topk, BLOCK=block_size, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)),
+                  HEAD_DIM=d, HEAD_DIM_P=max(16, triton.next_power_of_2(d)),
+                  IEEE=q.dtype == torch.float32 or interpreting())
+    return (bsz, hkv), args, consts
 
 
 _KERNEL = None
@@ -81,11 +103,11 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(Q, K, V, CIS, TOK, SEL, LENS, OUT,
-               sqb, sqh, skn, skh, svn, svh, scn, sch, stb, ssb, ssh, sob, soh,
+    def kernel(Q, K, V, CIS, TOK, SEL, LENS, OUT, LSE,
+               sqb, sqh, skn, skh, svn, svh, scn, sch, stb, ssb, ssh, sob, soh, slb,
                scale,
                TOPK: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):
+               HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         length = tl.load(LENS + b)
@@ -95,7 +117,7 @@ def _kernel():
         g_ok = g < GROUP
         d_ok = d < HEAD_DIM
         q = tl.load(Q + b * sqb + (h * GROUP + g)[:, None] * sqh + d[None, :],
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         m = tl.full([GROUP_P], float("-inf"), tl.float32)
         denom = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
@@ -107,18 +129,28 @@ def _kernel():
             k = tl.load(K + slot[:, None] * skn + h * skh + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(V + slot[:, None] * svn + h * svh + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
             c = tl.load(CIS + slot * scn + h * sch, mask=ok, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k.to(tl.float32))) * scale + c[None, :]  # [GROUP_P, BLOCK]
+            if IEEE:  # fp32 products (tf32 would lose 3 digits); also the interpreter's (its bf16 dot is wrong)
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:  # bf16/fp16: tensor-core products, fp32 accumulation
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale + c[None, :]  # [GROUP_P, BLOCK]
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no valid token
             alpha = tl.exp(m - m_safe)
             p = tl.exp(s - m_safe[:, None])
             denom = denom * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        out = acc / denom[:, None]
+        has = denom > 0
+        out = tl.where(has[:, None], acc / tl.where(has, denom, 1.0)[:, None], 0.0)
+        lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
         tl.store(OUT + b * sob + (h * GROUP + g)[:, None] * soh + d[None, :], out.to(OUT.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + b * slb + h * GROUP + g, lse, mask=g_ok)
 
     _KERNEL = kernel
     return kernel

@@ -1,0 +1,178 @@
+"""Recall: copy (block, KV head) items between the host KV pool and the device block cache.
+
+Layout (fixed by the offloading design): an *item* is one (block, KV head) of one layer, contiguous.
+Host pool: k_host, v_host [P, Hkv, B, D], cis_host [P, Hkv, B] viewed as [P*Hkv, B, D] / [P*Hkv, B]
+(item id = page * Hkv + head). Device cache: k_dev, v_dev [S, B, D], cis_dev [S, B] (one item per
+slot). Any tensor whose dim 0 indexes contiguous items works: the item is the rest of the tensor.
+
+``copy_items(dst, src, dst_idx, src_idx)`` copies item src_idx[m] of src[i] to item dst_idx[m] of
+dst[i] for every pair i and every m with src_idx[m] >= 0 (index lists have a fixed length M,
+padded with -1, so a CUDA launch has static shapes; dst_idx of a padded entry is ignored). The same
+call writes completed blocks back host-ward (dst = host tensors).
+
+- CUDA: one Triton launch for all pairs (K, V and cis together); a pinned host tensor is passed
+  straight to the kernel (UVA), so no staging copy and no host synchronisation.
+- CPU (``ItemCopier``, the recall engine of a CPU server and the reference): items are viewed as
+  rows of wide elements (int64 when the item size allows: byte-row index_copy_ measured 5x slower),
+  gathered with index_select(out=staging) and scattered with index_copy_, in chunks small enough
+  that the staging buffer stays in cache (so the scatter reads cache, not memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_WIDE = (torch.int64, torch.int32, torch.int16, torch.uint8)  # widest element dividing the item bytes
+CHUNK_BYTES = 1 << 19  # staging per pair and chunk: stays in L2 between gather and scatter
+
+
+def _check(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx: torch.Tensor, src_idx: torch.Tensor):
+    if len(dst) != len(src) or not dst:
+        raise ValueError(f"copy_items: need as many dst as src tensors (>= 1), got {len(dst)} and {len(src)}")
+    for name, idx in (("dst_idx", dst_idx), ("src_idx", src_idx)):
+        if idx.dim() != 1 or idx.dtype != torch.int64:
+            raise ValueError(f"copy_items: {name} must be a 1-D int64 tensor, got {idx.dtype} {tuple(idx.shape)}")
+    if dst_idx.shape != src_idx.shape:
+        raise ValueError(f"copy_items: dst_idx {tuple(dst_idx.shape)} and src_idx {tuple(src_idx.shape)} differ")
+    for i, (d, s) in enumerate(zip(dst, src)):
+        if d.dtype != s.dtype:
+            raise ValueError(f"copy_items: pair {i}: dst dtype {d.dtype} != src dtype {s.dtype}")
+        if d.shape[1:] != s.shape[1:]:
+            raise ValueError(
+                f"copy_items: pair {i}: item shapes differ: dst {tuple(d.shape[1:])}, src {tuple(s.shape[1:])}"
+            )
+        for name, t in (("dst", d), ("src", s)):
+            if not t.is_contiguous():
+                raise ValueError(f"copy_items: pair {i}: {name} must be contiguous (items along dim 0), "
+                                 f"got strides {t.stride()} for shape {tuple(t.shape)}")
+
+
+def item_rows(t: torch.Tensor) -> torch.Tensor:
+    """[N, *item] contiguous -> [N, W] view in the widest integer type dividing the item's bytes."""
+    rows = t.reshape(t.shape[0], -1)
+    nbytes = rows.shape[1] * t.element_size()
+    for wide in _WIDE:
+        size = torch.empty((), dtype=wide).element_size()
+        if nbytes % size == 0 and t.data_ptr() % size == 0:
+            return rows.view(torch.uint8).view(wide)
+    raise AssertionError("unreachable: uint8 divides everything")
+
+
+class ItemCopier:
+    """The CPU gather-scatter with preallocated staging buffers.
+
+    ItemCopier(like=(k_dev, v_dev, cis_dev)) sizes one cache-resident staging buffer per pair from
+    the item shapes of ``like`` (dim 0 ignored); ``.copy(dst, src, dst_idx, src_idx)`` then
+    allocates nothing but the compacted index lists when some entries are padding.
+    """
+
+    def __init__(self, like: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES):
+        self._rows = [item_rows(t[:1]) for t in like]
+        item_bytes = max(r.shape[1] * r.element_size() for r in self._rows)
+        self.chunk = max(1, chunk_bytes // item_bytes)
+        self._staging = [torch.empty(self.chunk, r.shape[1], dtype=r.dtype) for r in self._rows]
+
+    def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx: torch.Tensor,
+             src_idx: torch.Tensor) -> None:
+        _check(dst, src, dst_idx, src_idx)
+        if any(t.is_cuda for t in (*dst, *src)):
+            raise ValueError("ItemCopier is the CPU path; use nosa.ops.copy_items for CUDA tensors")
+        if len(dst) != len(self._staging):
+            raise ValueError(f"ItemCopier: built for {len(self._staging)} pairs, got {len(dst)}")
+        keep = src_idx >= 0
+        if not bool(keep.all()):
+            dst_idx, src_idx = dst_idx[keep], src_idx[keep]
+        if src_idx.numel() == 0:
+            return
+        for i, (d, s) in enumerate(zip(dst, src)):
+            for name, t, idx in (("dst", d, dst_idx), ("src", s, src_idx)):
+                lo, hi = int(idx.min()), int(idx.max())
+                if lo < 0 or hi >= t.shape[0]:
+                    raise ValueError(f"copy_items: pair {i}: {name} index {lo if lo < 0 else hi} outside "
+                                     f"[0, {t.shape[0]}) (items of {name})")
+            d_rows, s_rows, staging = item_rows(d), item_rows(s), self._staging[i]
+            if d_rows.shape[1:] != staging.shape[1:] or d_rows.dtype != staging.dtype:
+                raise ValueError(f"ItemCopier: pair {i}: items of {tuple(d.shape[1:])} {d.dtype} do not match "
+                                 f"the staging it was built for ({staging.shape[1]} x {staging.dtype})")
+            for lo in range(0, src_idx.numel(), self.chunk):
+                hi = min(lo + self.chunk, src_idx.numel())
+                buf = staging[: hi - lo]
+                torch.index_select(s_rows, 0, src_idx[lo:hi], out=buf)
+                d_rows.index_copy_(0, dst_idx[lo:hi], buf)
+
+
+def copy_items_reference(dst, src, dst_idx, src_idx) -> None:
+    """The CPU path as one call (staging sized for this call). Shapes as in the module docstring."""
+    ItemCopier(dst).copy(dst, src, dst_idx, src_idx)
+
+
+# ---- Triton (CUDA; CPU tensors under TRITON_INTERPRET=1) ------------------------------------------
+MAX_PAIRS = 3  # one launch carries up to three pairs (K, V, cis); more pairs take more launches
+CHUNK_ELEMS = 1024  # wide elements per program and pair (8 KiB of int64)
+
+
+def copy_items_plan(dst, src, dst_idx, src_idx):
+    """(grid, positional args, constexprs) of one launch for up to MAX_PAIRS pairs (also used by the
+    ahead-of-time compile test, so the two cannot drift apart)."""
+    pairs = [(item_rows(d), item_rows(s)) for d, s in zip(dst, src)]
+    widths = [d.shape[1] for d, _ in pairs]
+    while len(pairs) < MAX_PAIRS:  # unused slots: any tensors, never touched (NPAIRS guards them)
+        pairs.append(pairs[0])
+        widths.append(0)
+    args = [dst_idx, src_idx]
+    for d, s in pairs:
+        args += [d, s]
+    chunks = max(1, -(-max(widths) // CHUNK_ELEMS))
+    grid = (dst_idx.numel(), chunks)
+    constexprs = dict(NPAIRS=len(dst), W0=widths[0], W1=widths[1], W2=widths[2], CHUNK=CHUNK_ELEMS)
+    return grid, args, constexprs
+
+
+def copy_items_triton(dst, src, dst_idx, src_idx) -> None:
+    """One launch per MAX_PAIRS pairs. CUDA tensors (src or dst may be pinned host memory), or CPU
+    tensors under TRITON_INTERPRET=1."""
+    _check(dst, src, dst_idx, src_idx)
+    for name, idx in (("dst_idx", dst_idx), ("src_idx", src_idx)):
+        if not idx.is_contiguous():
+            raise ValueError(f"copy_items: {name} must be contiguous")
+    if src_idx.numel() == 0:
+        return
+    for lo in range(0, len(dst), MAX_PAIRS):
+        grid, args, constexprs = copy_items_plan(dst[lo : lo + MAX_PAIRS], src[lo : lo + MAX_PAIRS], dst_idx, src_idx)
+        copy_kernel()[grid](*args, **constexprs, num_warps=4)
+
+
+_KERNEL = None
+
+
+def copy_kernel():
+    """The @triton.jit kernel, defined on first use so that importing this module needs no triton."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(DST_IDX, SRC_IDX, D0, S0, D1, S1, D2, S2,
+               NPAIRS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, CHUNK: tl.constexpr):
+        m = tl.program_id(0)
+        offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+        s = tl.load(SRC_IDX + m)
+        ok = s >= 0
+        d = tl.where(ok, tl.load(DST_IDX + m), 0)  # a padded entry's dst may be anything: never use it
+        s = tl.where(ok, s, 0)
+        # .cg: each byte is read once, keep it out of L1 (nested jit helpers cannot live in this closure)
+        x = tl.load(S0 + s * W0 + offs, mask=ok & (offs < W0), cache_modifier=".cg")
+        tl.store(D0 + d * W0 + offs, x, mask=ok & (offs < W0))
+        if NPAIRS > 1:
+            x = tl.load(S1 + s * W1 + offs, mask=ok & (offs < W1), cache_modifier=".cg")
+            tl.store(D1 + d * W1 + offs, x, mask=ok & (offs < W1))
+        if NPAIRS > 2:
+            x = tl.load(S2 + s * W2 + offs, mask=ok & (offs < W2), cache_modifier=".cg")
+            tl.store(D2 + d * W2 + offs, x, mask=ok & (offs < W2))
+
+    _KERNEL = kernel
+    return kernel

@@ -1,0 +1,332 @@
+"""NOSA block-sparse prefill attention, forward and backward: Triton kernels + torch reference.
+
+Layout (one sequence, token-major as nosa.attention): q [n, Hq, D]; k [L, Hkv, D], v [L, Hkv, Dv];
+cis [L, Hkv]; sel [n, Hkv, K] selected block ids of each query row (-1 = none, as
+nosa.select.select_blocks returns); positions [n] (token position of each row). G = Hq // Hkv.
+
+out[i, h] = softmax_j(scale * q[i, h] . k_j + cis_j) v_j over the tokens j <= positions[i] of the
+blocks sel[i, h // G] (causal inside the current block); lse[i, h] = log sum_j exp(logit_j) (fp32;
+-inf and out = 0 for a row with nothing to attend). This is nosa.attention.nosa_prefill's
+selected-block attention (the rows past dense_len); tests/test_kernels_prefill.py checks both.
+
+Kernels (InfLLM-v2 style tiling): one program per (tile of TQ consecutive query rows, KV head); the
+TQ x G query heads of the tile are the rows of one matrix tile. The wrapper lists the union of the
+blocks the tile's rows selected (rows of a tile mostly share their blocks: sink, window, static
+picks); the program walks that union once, loading each block once for the whole tile, and masks
+out the rows that did not select it. Backward walks the same union, recomputes the probabilities
+from lse, keeps dq in registers and adds dk, dv, dcis into fp32 buffers with atomics (blocks are
+shared by many tiles).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nosa.attention import selected_tokens
+from nosa.kernels.slot_decode import interpreting
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(q, k, v, cis, sel, positions):
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or cis.dim() != 2 or sel.dim() != 3 or positions.dim() != 1:
+        raise ValueError(f"sparse_prefill: expected q [n, Hq, D], k/v [L, Hkv, D], cis [L, Hkv], sel [n, Hkv, K], "
+                         f"positions [n]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, "
+                         f"{tuple(cis.shape)}, {tuple(sel.shape)}, {tuple(positions.shape)}")
+    n, hq, d = q.shape
+    length, hkv, _ = k.shape
+    if hq % hkv:
+        raise ValueError(f"sparse_prefill: Hq={hq} is not a multiple of Hkv={hkv}")
+    if k.shape[2] != d or v.shape[:2] != k.shape[:2] or cis.shape != k.shape[:2]:
+        raise ValueError(f"sparse_prefill: k {tuple(k.shape)}, v {tuple(v.shape)}, cis {tuple(cis.shape)} disagree "
+                         f"(expected [L, Hkv={hkv}, D={d}] and [L, Hkv])")
+    if sel.shape[:2] != (n, hkv) or positions.shape[0] != n:
+        raise ValueError(f"sparse_prefill: sel {tuple(sel.shape)} must be [n={n}, Hkv={hkv}, K] and positions "
+                         f"{tuple(positions.shape)} [n={n}]")
+    if sel.dtype not in (torch.int32, torch.int64) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"sparse_prefill: sel and positions must be integers, got {sel.dtype}, {positions.dtype}")
+
+
+def sparse_prefill_reference(q, k, v, cis, sel, positions, block_size: int, scale: float):
+    """Pure-torch spec, differentiable in q, k, v, cis (fp32 math, fp64 for fp64 inputs).
+    Shapes as in the module docstring. Returns (out [n, Hq, Dv] in q.dtype, lse [n, Hq] fp32)."""
+    _check(q, k, v, cis, sel, positions)
+    n, hq, d = q.shape
+    hkv, dv = k.shape[1], v.shape[2]
+    dt = torch.promote_types(q.dtype, torch.float32)
+    tokens, valid = selected_tokens(sel.long(), positions.long() + 1, block_size)  # [n, Hkv, T]
+    rows = (tokens * hkv + torch.arange(hkv, device=q.device)[:, None]).flatten()
+    kk = k.reshape(-1, d).index_select(0, rows).to(dt).view(n, hkv, -1, d)
+    vv = v.reshape(-1, dv).index_select(0, rows).to(dt).view(n, hkv, -1, dv)
+    bias = torch.where(valid, cis.reshape(-1).index_select(0, rows).to(dt).view_as(valid), float("-inf"))
+    qg = q.to(dt).view(n, hkv, hq // hkv, d)
+    logits = torch.einsum("nhgd,nhtd->nhgt", qg, kk) * scale + bias[:, :, None, :]
+    top = logits.detach().amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    p = torch.exp(logits - top)
+    total = p.sum(dim=-1, keepdim=True)
+    has = total > 0
+    safe = torch.where(has, total, 1.0)  # rows with nothing to attend: out 0, lse -inf, finite gradients
+    out = torch.einsum("nhgt,nhtd->nhgd", p / safe, vv).reshape(n, hq, dv)
+    lse = torch.where(has, top + torch.log(safe), float("-inf")).reshape(n, hq)
+    return out.to(q.dtype), lse.float()
+
+
+# ---- Triton -----------------------------------------------------------------------------------------
+def default_tile(group: int) -> int:
+    """Query rows per tile: TQ * G about 64 matrix rows (G = 4 -> 16 tokens)."""
+    return max(1, 64 // group)
+
+
+def tile_unions(sel: torch.Tensor, num_blocks: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (tile of ``tile`` consecutive rows, KV head): the blocks any row selected, ascending.
+    sel [n, Hkv, K] -> (union [T, Hkv, U] int32 (entries past count are arbitrary), count [T, Hkv] int32)."""
+    n, hkv, topk = sel.shape
+    tiles = -(-n // tile)
+    padded = sel.new_full((tiles * tile, hkv, topk), -1)
+    padded[:n] = sel
+    index = padded.view(tiles, tile, hkv, topk).permute(0, 2, 1, 3).reshape(tiles, hkv, tile * topk).long()
+    mask = torch.zeros(tiles, hkv, num_blocks + 1, dtype=torch.bool, device=sel.device)
+    mask.scatter_(-1, torch.where(index >= 0, index, num_blocks), True)
+    mask = mask[..., :num_blocks]
+    count = mask.sum(dim=-1)
+    width = max(1, int(count.max()) if count.numel() else 1)
+    union = torch.sort(mask.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
+    return union.to(torch.int32).contiguous(), count.to(torch.int32).contiguous()
+
+
+def _consts(q, k, v, topk, block_size, tile):
+    import triton
+
+    p2 = triton.next_power_of_2
+    group = q.shape[1] // k.shape[1]
+    return dict(BLOCK=block_size, BLOCK_P=max(16, p2(block_size)), GROUP=group, TQ=tile,
+                M_P=max(16, p2(tile * group)), TOPK=topk, TOPK_P=max(2, p2(topk)),
+                HEAD_DIM=q.shape[2], HEAD_DIM_P=max(16, p2(q.shape[2])), DV=v.shape[2], DV_P=max(16, p2(v.shape[2])),
+                IEEE=q.dtype == torch.float32 or interpreting())
+
+
+def _prepare(q, k, v, cis, sel, positions, block_size, tile):
+    _check(q, k, v, cis, sel, positions)
+    if q.dtype not in _FLOATS or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"sparse_prefill: q, k, v must share one of {_FLOATS}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if block_size < 1:
+        raise ValueError(f"sparse_prefill: block_size must be >= 1, got {block_size}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("cis", cis)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"sparse_prefill: {name} must be contiguous in its last dimension, strides {t.stride()}")
+    num_blocks = -(-k.shape[0] // block_size)
+    sel = sel.to(torch.int32).contiguous()
+    if sel.numel() and int(sel.max()) >= num_blocks:
+        raise ValueError(f"sparse_prefill: sel holds block {int(sel.max())} but L={k.shape[0]} tokens have "
+                         f"{num_blocks} blocks of {block_size}")
+    tile = default_tile(q.shape[1] // k.shape[1]) if tile is None else tile
+    union, count = tile_unions(sel, num_blocks, tile)
+    return sel, positions.to(torch.int32).contiguous(), union, count, tile
+
+
+def forward_plan(q, k, v, cis, sel, positions, union, count, block_size, scale, tile):
+    """(grid, args, constexprs, out, lse) of the forward launch (shared with the AOT compile test)."""
+    n, hq, _ = q.shape
+    length, hkv, _ = k.shape
+    out = torch.empty(n, hq, v.shape[2], dtype=q.dtype, device=q.device)
+    lse = torch.empty(n, hq, dtype=torch.float32, device=q.device)
+    args = [q, k, v, cis, sel, positions, union, count, out, lse,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cis.stride(0),
+            cis.stride(1), sel.stride(0), sel.stride(1), union.stride(0), union.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0), n, length, scale]
+    grid = (union.shape[0], hkv)
+    return grid, args, _consts(q, k, v, sel.shape[2], block_size, tile), out, lse
+
+
+def backward_plan(q, k, v, cis, sel, positions, union, count, dout, lse, delta, block_size, scale, tile):
+    """(grid, args, constexprs, dq, dk, dv, dcis): dq in q.dtype, the others fp32 accumulators."""
+    n, hq, _ = q.shape
+    length, hkv, _ = k.shape
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    dcis = torch.zeros(cis.shape, dtype=torch.float32, device=q.device)
+    args = [q, k, v, cis, sel, positions, union, count, dout, lse, delta, dq, dk, dv, dcis,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cis.stride(0),
+            cis.stride(1), sel.stride(0), sel.stride(1), union.stride(0), union.stride(1),
+            dout.stride(0), dout.stride(1), lse.stride(0), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            dcis.stride(0), n, length, scale]
+    grid = (union.shape[0], hkv)
+    return grid, args, _consts(q, k, v, sel.shape[2], block_size, tile), dq, dk, dv, dcis
+
+
+class _SparsePrefill(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cis, sel, positions, block_size, scale, tile):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        cis = cis.float().contiguous()
+        sel, positions, union, count, tile = _prepare(q, k, v, cis, sel, positions, block_size, tile)
+        grid, args, consts, out, lse = forward_plan(q, k, v, cis, sel, positions, union, count, block_size, scale,
+                                                    tile)
+        kernels()["forward"][grid](*args, **consts, num_warps=4)
+        ctx.save_for_backward(q, k, v, cis, sel, positions, union, count, out, lse)
+        ctx.meta = (block_size, scale, tile)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, cis, sel, positions, union, count, out, lse = ctx.saved_tensors
+        block_size, scale, tile = ctx.meta
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dout = dout.contiguous()
+        # d lse / d logit = p, so an lse gradient only shifts the softmax's delta term
+        delta = (dout.float() * out.float()).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.float()
+        grid, args, consts, dq, dk, dv, dcis = backward_plan(q, k, v, cis, sel, positions, union, count, dout, lse,
+                                                             delta.contiguous(), block_size, scale, tile)
+        kernels()["backward"][grid](*args, **consts, num_warps=8)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), dcis, None, None, None, None, None
+
+
+def sparse_prefill(q, k, v, cis, sel, positions, block_size: int, scale: float, tile: int | None = None):
+    """Triton forward and backward (autograd): (out [n, Hq, Dv], lse [n, Hq] fp32) as the reference.
+    CUDA tensors, or CPU tensors under TRITON_INTERPRET=1. ``tile``: query rows per program."""
+    out, lse = _SparsePrefill.apply(q, k, v, cis, sel, positions, block_size, scale, tile)
+    return out, lse
+
+
+_KERNELS = None
+
+
+def kernels():
+    """{"forward", "backward"}: the @triton.jit kernels, defined on first use (importing needs no triton)."""
+    global _KERNELS
+    if _KERNELS is not None:
+        return _KERNELS
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def forward_kernel(Q, K, V, CIS, SEL, POS, UNION, COUNT, OUT, LSE,
+                       sqn, sqh, skl, skh, svl, svh, scl, sch, ssn, ssh, sut, suh, son, soh, sln,
+                       N, L, scale,
+                       BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, GROUP: tl.constexpr, TQ: tl.constexpr,
+                       M_P: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       HEAD_DIM_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr, IEEE: tl.constexpr):
+        tile = tl.program_id(0)
+        h = tl.program_id(1)
+        r = tl.arange(0, M_P)  # matrix row = (token of the tile, query head of the group)
+        row = (tile * TQ + r // GROUP).to(tl.int64)
+        head = h * GROUP + r % GROUP
+        r_ok = (r < TQ * GROUP) & (row < N)
+        d = tl.arange(0, HEAD_DIM_P)
+        e = tl.arange(0, DV_P)
+        t = tl.arange(0, BLOCK_P)
+        kk = tl.arange(0, TOPK_P)
+        q = tl.load(Q + row[:, None] * sqn + head[:, None] * sqh + d[None, :],
+                    mask=r_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        pos = tl.load(POS + row, mask=r_ok, other=-1)
+        mine = tl.load(SEL + row[:, None] * ssn + h * ssh + kk[None, :], mask=r_ok[:, None] & (kk < TOPK)[None, :],
+                       other=-1)  # [M_P, TOPK_P] the blocks each row selected
+        m = tl.full([M_P], float("-inf"), tl.float32)
+        denom = tl.zeros([M_P], tl.float32)
+        acc = tl.zeros([M_P, DV_P], tl.float32)
+        count = tl.load(COUNT + tile * tl.num_programs(1) + h)  # count is [T, Hkv] contiguous
+        for u in range(0, count):
+            blk = tl.load(UNION + tile * sut + h * suh + u)
+            member = tl.max((mine == blk).to(tl.int32), 1) > 0
+            tok = (blk * BLOCK + t).to(tl.int64)
+            t_ok = (t < BLOCK) & (tok < L)
+            ok = member[:, None] & (tok[None, :] <= pos[:, None]) & t_ok[None, :]
+            k = tl.load(K + tok[:, None] * skl + h * skh + d[None, :], mask=t_ok[:, None] & (d < HEAD_DIM)[None, :],
+                        other=0.0)
+            v = tl.load(V + tok[:, None] * svl + h * svh + e[None, :], mask=t_ok[:, None] & (e < DV)[None, :],
+                        other=0.0)
+            c = tl.load(CIS + tok * scl + h * sch, mask=t_ok, other=0.0)
+            if IEEE:  # fp32 products (tf32 would lose 3 digits); also the interpreter's (its bf16 dot is wrong)
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(ok, s * scale + c[None, :], float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        has = denom > 0
+        out = tl.where(has[:, None], acc / tl.where(has, denom, 1.0)[:, None], 0.0)
+        lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
+        tl.store(OUT + row[:, None] * son + head[:, None] * soh + e[None, :], out.to(OUT.dtype.element_ty),
+                 mask=r_ok[:, None] & (e < DV)[None, :])
+        tl.store(LSE + row * sln + head, lse, mask=r_ok)
+
+    @triton.jit
+    def backward_kernel(Q, K, V, CIS, SEL, POS, UNION, COUNT, DO, LSE, DELTA, DQ, GK, GV, GCIS,
+                        sqn, sqh, skl, skh, svl, svh, scl, sch, ssn, ssh, sut, suh, sdn, sdh, sln,
+                        sdkl, sdkh, sdvl, sdvh, sdcl,
+                        N, L, scale,
+                        BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, GROUP: tl.constexpr, TQ: tl.constexpr,
+                        M_P: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        HEAD_DIM_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr, IEEE: tl.constexpr):
+        tile = tl.program_id(0)
+        h = tl.program_id(1)
+        r = tl.arange(0, M_P)
+        row = (tile * TQ + r // GROUP).to(tl.int64)
+        head = h * GROUP + r % GROUP
+        r_ok = (r < TQ * GROUP) & (row < N)
+        d = tl.arange(0, HEAD_DIM_P)
+        e = tl.arange(0, DV_P)
+        t = tl.arange(0, BLOCK_P)
+        kk = tl.arange(0, TOPK_P)
+        d_ok = d < HEAD_DIM
+        e_ok = e < DV
+        q = tl.load(Q + row[:, None] * sqn + head[:, None] * sqh + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        do = tl.load(DO + row[:, None] * sdn + head[:, None] * sdh + e[None, :], mask=r_ok[:, None] & e_ok[None, :],
+                     other=0.0)
+        lse = tl.load(LSE + row * sln + head, mask=r_ok, other=float("-inf"))
+        lse = tl.where(lse == float("-inf"), 0.0, lse)  # such rows have no valid key: p stays 0
+        delta = tl.load(DELTA + row * sln + head, mask=r_ok, other=0.0)
+        pos = tl.load(POS + row, mask=r_ok, other=-1)
+        mine = tl.load(SEL + row[:, None] * ssn + h * ssh + kk[None, :], mask=r_ok[:, None] & (kk < TOPK)[None, :],
+                       other=-1)
+        dq = tl.zeros([M_P, HEAD_DIM_P], tl.float32)
+        count = tl.load(COUNT + tile * tl.num_programs(1) + h)  # count is [T, Hkv] contiguous
+        for u in range(0, count):
+            blk = tl.load(UNION + tile * sut + h * suh + u)
+            member = tl.max((mine == blk).to(tl.int32), 1) > 0
+            tok = (blk * BLOCK + t).to(tl.int64)
+            t_ok = (t < BLOCK) & (tok < L)
+            ok = member[:, None] & (tok[None, :] <= pos[:, None]) & t_ok[None, :]
+            k = tl.load(K + tok[:, None] * skl + h * skh + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(V + tok[:, None] * svl + h * svh + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0)
+            c = tl.load(CIS + tok * scl + h * sch, mask=t_ok, other=0.0)
+            if IEEE:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            p = tl.where(ok, tl.exp(s * scale + c[None, :] - lse[:, None]), 0.0)  # [M_P, BLOCK_P]
+            if IEEE:
+                dv = tl.dot(tl.trans(p), do.to(tl.float32), input_precision="ieee")
+                dp = tl.dot(do.to(tl.float32), tl.trans(v.to(tl.float32)), input_precision="ieee")
+            else:
+                dv = tl.dot(tl.trans(p.to(do.dtype)), do)
+                dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])  # d loss / d logit
+            if IEEE:
+                dk = tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="ieee") * scale
+                dq += tl.dot(ds, k.to(tl.float32), input_precision="ieee") * scale
+            else:
+                dk = tl.dot(tl.trans(ds.to(q.dtype)), q) * scale
+                dq += tl.dot(ds.to(k.dtype), k) * scale
+            tl.atomic_add(GV + tok[:, None] * sdvl + h * sdvh + e[None, :], dv, mask=t_ok[:, None] & e_ok[None, :])
+            tl.atomic_add(GK + tok[:, None] * sdkl + h * sdkh + d[None, :], dk, mask=t_ok[:, None] & d_ok[None, :])
+            tl.atomic_add(GCIS + tok * sdcl + h, tl.sum(ds, 0), mask=t_ok)
+        tl.store(DQ + row[:, None] * sqn + head[:, None] * sqh + d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=r_ok[:, None] & d_ok[None, :])
+
+    _KERNELS = {"forward": forward_kernel, "backward": backward_kernel}
+    return _KERNELS

@@ -1,0 +1,100 @@
+"""One function per NOSA GPU op: the Triton kernel on CUDA tensors, the torch reference on CPU.
+
+Callers (nosa.attention on CUDA, the offloading engine in nosa.serve) never pick an
+implementation themselves. ``NOSA_KERNELS`` overrides the choice:
+
+- unset or ``auto``: Triton when any tensor argument is on CUDA, else the reference;
+- ``reference``: always the torch reference (e.g. to rule a kernel out on a GPU);
+- ``triton``: always the kernel; on CPU tensors that needs ``TRITON_INTERPRET=1`` set before
+  triton is first imported (the tests do this), and is for tests only (about 1 ms per program).
+
+Every op validates shapes and dtypes before it launches (see the kernel modules) and raises
+ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+CHOICES = ("auto", "reference", "triton")
+
+
+def backend(*tensors: torch.Tensor) -> str:
+    """"triton" or "reference" for an op whose tensor arguments are ``tensors``."""
+    choice = os.environ.get("NOSA_KERNELS", "auto") or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"NOSA_KERNELS must be one of {CHOICES}, got {choice!r}")
+    if choice == "reference":
+        return "reference"
+    on_cuda = any(t.is_cuda for t in tensors)
+    if choice == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("NOSA_KERNELS=triton with CPU tensors needs TRITON_INTERPRET=1 (set before triton is "
+                         "imported); unset NOSA_KERNELS to use the torch reference on CPU")
+    return "triton" if (on_cuda or choice == "triton") else "reference"
+
+
+# ---- recall ---------------------------------------------------------------------------------------
+_COPIERS: dict[tuple, object] = {}
+
+
+def copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx: torch.Tensor,
+               src_idx: torch.Tensor) -> None:
+    """Copy item src_idx[m] -> dst_idx[m] of every pair (dst[i], src[i]) where src_idx[m] >= 0.
+
+    Items are along dim 0 (e.g. k_dev [S, B, D] <- k_host [P*Hkv, B, D], cis_dev [S, B] <- cis_host
+    [P*Hkv, B]); dst_idx, src_idx [M] int64, padded with -1. CUDA: one Triton launch for all pairs,
+    src or dst may be pinned host memory. CPU: index_select / index_copy_ through preallocated,
+    cache-resident staging (nosa.kernels.recall.ItemCopier, one kept per item layout)."""
+    from nosa.kernels import recall
+
+    if backend(*dst, *src) == "triton":
+        recall.copy_items_triton(dst, src, dst_idx, src_idx)
+        return
+    key = tuple((tuple(t.shape[1:]), t.dtype) for t in dst)
+    copier = _COPIERS.get(key)
+    if copier is None:
+        copier = _COPIERS[key] = recall.ItemCopier(dst)
+    copier.copy(dst, src, dst_idx, src_idx)
+
+
+# ---- decode ---------------------------------------------------------------------------------------
+def slot_decode(q, k_dev, v_dev, cis_dev, slots, fill, scale: float, num_splits: int | None = None):
+    """Decode attention over the device block cache: q [R, Hq, D], k_dev/v_dev [S, B, D], cis_dev
+    [S, B] fp32, slots [R, Hkv, NS] int64 (-1 unused), fill [R, Hkv, NS] int32 -> (out [R, Hq, Dv],
+    lse [R, Hq] fp32). See nosa.kernels.slot_decode."""
+    from nosa.kernels import slot_decode as mod
+
+    if backend(q, k_dev) == "triton":
+        return mod.slot_decode(q, k_dev, v_dev, cis_dev, slots, fill, scale, num_splits)
+    return mod.slot_decode_reference(q, k_dev, v_dev, cis_dev, slots, fill, scale)
+
+
+def paged_sparse_decode(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size: int,
+                        scale: float):
+    """Decode attention over the selected blocks of a paged token pool (offloading off): q [B, Hq, D],
+    k_pool/v_pool [N, Hkv, D], cis_pool [N, Hkv], token_table [B, T] int32, selection [B, Hkv, K]
+    int32, seq_lens [B] int32 -> (out [B, Hq, D], lse [B, Hq] fp32). See nosa.kernels.sparse_decode."""
+    from nosa.kernels import sparse_decode as mod
+
+    fn = mod.sparse_decode if backend(q, k_pool) == "triton" else mod.sparse_decode_reference
+    return fn(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale, return_lse=True)
+
+
+# ---- prefill / training ---------------------------------------------------------------------------
+def sparse_prefill_attention(q, k, v, cis, sel, positions, block_size: int, scale: float):
+    """Block-sparse attention of query rows over their selected blocks, differentiable in q, k, v,
+    cis: q [n, Hq, D], k/v [L, Hkv, D], cis [L, Hkv], sel [n, Hkv, K] (-1 padded), positions [n]
+    -> (out [n, Hq, Dv], lse [n, Hq] fp32). See nosa.kernels.sparse_prefill."""
+    from nosa.kernels import sparse_prefill as mod
+
+    if backend(q, k) == "triton":
+        return mod.sparse_prefill(q, k, v, cis, sel, positions, block_size, scale)
+    return mod.sparse_prefill_reference(q, k, v, cis, sel, positions, block_size, scale)
+
+
+def use_kernels(*tensors: torch.Tensor) -> bool:
+    """Whether ops on these tensors run Triton kernels (for call sites that keep a faster CPU path)."""
+    return backend(*tensors) == "triton"
