@@ -2,11 +2,35 @@
 ``tokenizers`` library and wrapped as a ``PreTrainedTokenizerFast`` (no downloads).
 
 Digits are split one per token so that numbers in the synthetic tasks are copied digit by digit.
+Like Llama/Qwen tokenizers it adds ``<bos>`` in front of every encoded text (``add_special_tokens``,
+the default of ``tokenizer(text)`` and of SGLang's /generate; the training data is tokenized
+without it) and ships a chat template, so a served checkpoint answers /v1/chat/completions and an
+empty prompt still has one token.
 """
 
 from __future__ import annotations
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")
+
+# Role-tagged turns, each closed by EOS; the prompt ends with the assistant tag when a reply is
+# wanted. bos_token comes from the template, so SGLang encodes the rendered text without specials.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def add_bos(tokenizer_object, bos_token: str) -> None:
+    """Make a ``tokenizers.Tokenizer`` prepend ``bos_token`` when special tokens are added."""
+    from tokenizers import processors
+
+    bos_id = tokenizer_object.token_to_id(bos_token)
+    if bos_id is None:
+        raise ValueError(f"bos_token={bos_token!r} is not in the tokenizer's vocabulary")
+    tokenizer_object.post_processor = processors.TemplateProcessing(
+        single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B", special_tokens=[(bos_token, bos_id)]
+    )
 
 
 def train_tokenizer(texts, vocab_size: int = 512):
@@ -28,7 +52,9 @@ def train_tokenizer(texts, vocab_size: int = 512):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    add_bos(tok, "<bos>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   chat_template=CHAT_TEMPLATE)
 
 
 def load_tokenizer(path: str):

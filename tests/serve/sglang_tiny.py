@@ -27,8 +27,12 @@ def cpu_engine_missing() -> str | None:
 
 
 def make_tokenizer(path: str) -> None:
+    """Byte-level, ids 0-255 are bytes, <s> = 256 (added in front of encoded text, as Llama's
+    tokenizer does), </s> = 257; the trainer's chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
+    from nosa.train.tokenizer import CHAT_TEMPLATE, add_bos
 
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
@@ -37,7 +41,9 @@ def make_tokenizer(path: str) -> None:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   chat_template=CHAT_TEMPLATE)
+    add_bos(fast.backend_tokenizer, "<s>")
     fast.save_pretrained(path)
 
 
