@@ -49,7 +49,7 @@ def _check(q, k, v, cis, sel, positions):
 
 def sparse_prefill_reference(q, k, v, cis, sel, positions, block_size: int, scale: float):
     """Pure-torch spec, differentiable in q, k, v, cis (fp32 math, fp64 for fp64 inputs).
-    Shapes as in the module docstring. Returns (out [n, Hq, Dv] in q.dtype, lse [n, Hq] fp32)."""
+    Shapes as in the module docstring. Returns (out [n, Hq, Dv] in q.dtype, lse [n, Hq] fp32 or fp64)."""
     _check(q, k, v, cis, sel, positions)
     n, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
@@ -69,7 +69,7 @@ def sparse_prefill_reference(q, k, v, cis, sel, positions, block_size: int, scal
     safe = torch.where(has, total, 1.0)  # rows with nothing to attend: out 0, lse -inf, finite gradients
     out = torch.einsum("nhgt,nhtd->nhgd", p / safe, vv).reshape(n, hq, dv)
     lse = torch.where(has, top + torch.log(safe), float("-inf")).reshape(n, hq)
-    return out.to(q.dtype), lse.float()
+    return out.to(q.dtype), lse  # lse in fp32 (fp64 for fp64 inputs, so gradcheck sees no rounding)
 
 
 # ---- Triton -----------------------------------------------------------------------------------------
