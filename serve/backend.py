@@ -1,19 +1,22 @@
-"""NosaAttnBackend: SGLang attention with NOSA block selection (KV in SGLang's own pool).
+"""NosaAttnBackend: SGLang attention with NOSA block selection, the KV in SGLang's pool or offloaded.
 
 Layout (SGLang's, token-major): q [T, Hq*D] viewed as [T, Hq, D]; k, v [T, Hkv, D] for the T new
-tokens of the batch; the pool's key/value buffers are [slots, Hkv, D] and
-``req_to_token[row, :seq_len]`` lists the slots of a request's context in order.
+tokens of the batch; ``req_to_token[row, :seq_len]`` lists the slots of a request's context.
 
-The selection is nosa's, imported, never re-implemented, and used the way nosa.hf uses it, so
-that serving and the HF model pick the same blocks:
-- extend (prefill, chunked prefill, prefix-cache hits): per request, the whole context is gathered
-  from the pool and its new rows (the last extend_len tokens) go through ``nosa_prefill``;
-- decode: one ``NosaDecodeState`` per (request row, layer) grows by one token per step (created, or
-  caught up, from the pool when missing); ``nosa.decode.decode_attend`` then selects for the whole
-  batch and gathers only the selected blocks of every request from the pool through req_to_token,
-  in one call per layer (never the whole context).
-Per-request state lives in nosa.serve.states.RequestStates, attached to SGLang's ReqToTokenPool so
-that finishing, aborting or retracting a request frees it.
+A thin adapter: the selection, the decode step (select -> resolve -> attend) and the prefill are
+nosa's, imported, never re-implemented, so that serving and the HF model pick the same blocks.
+What differs between the two modes is only where K, V and cis live, i.e. which KV view (nosa.kv)
+the decode state reads through:
+- offloading off (default): SGLang's device pool [slots, Hkv, D] plus a cis buffer per layer kept
+  here, read in place (``nosa.kv.PagedKV``); extend runs ``nosa_prefill`` over the gathered context
+  as before;
+- offloading on ($NOSA_OFFLOAD=1, nosa.serve.offload_config): SGLang's pool is the host pool
+  (nosa.serve.host_pool); decode resolves through the device block cache (nosa.serve.block_cache),
+  extend runs ``NosaDecodeState.prefill``, which reads only the union of each chunk's blocks
+  (``nosa.serve.offload_kv.OffloadKV``).
+Per-request state (one ``NosaDecodeState`` per (request row, layer)) lives in
+nosa.serve.states.RequestStates, attached to SGLang's ReqToTokenPool so that finishing, aborting
+or retracting a request frees it and its device block slots.
 Eviction scores cis = A * softplus(W v + b) come from the checkpoint's eviction heads
 (nosa.serve.checkpoint); a dense checkpoint has A = 0.
 """
@@ -22,18 +25,21 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from nosa.attention import nosa_prefill
 from nosa.decode import NosaDecodeState, decode_attend
+from nosa.kv import PagedKV
 from nosa.serve.checkpoint import (
     load_eviction_heads,
     load_nosa_config,
     resolve_model_dir,
     zero_eviction_heads,
 )
+from nosa.serve.offload_config import OffloadSettings, offload_enabled
 from nosa.serve.states import RequestStates
 
 logger = logging.getLogger(__name__)
@@ -62,6 +68,35 @@ class NosaAttnBackend(AttentionBackend):
         source = "checkpoint" if from_checkpoint else "NOSA_CONFIG / defaults (dense checkpoint, A = 0)"
         logger.info("nosa backend: %s from %s", self.config, source)
         self.states = self._attach_states(model_runner)
+        self.offload = self._init_offload(model_runner) if offload_enabled() else None
+        if self.offload is None:  # cis per pool slot, beside SGLang's K and V
+            rows = self.token_to_kv_pool.get_key_buffer(0).shape[0]
+            self.cis_pool = [torch.zeros(rows, self.num_kv_heads, device=self.device) for _ in range(self.num_layers)]
+
+    def _init_offload(self, model_runner):
+        """Validate the settings, check that the host pool hooks took effect, build the device cache."""
+        from nosa.serve import host_pool
+        from nosa.serve.block_cache import DeviceBlockCache
+
+        settings = OffloadSettings.from_env()
+        settings.validate(self.config, model_runner.server_args.page_size)
+        for role in ("prefill_attention_backend", "decode_attention_backend"):
+            chosen = getattr(model_runner.server_args, role, None)
+            if chosen not in (None, "nosa"):
+                flag = "--" + role.replace("_", "-")
+                raise ValueError(f"nosa backend: offloading needs nosa for prefill and decode ({flag} {chosen}): "
+                                 "other backends cannot read the host pool")
+        host_pool.verify(model_runner, settings, self.config)
+        pool = self.token_to_kv_pool
+        cache = DeviceBlockCache(
+            self.num_layers, settings.max_requests(self.config), self.num_kv_heads,
+            settings.slots_per_head(self.config), self.config.block_size, self.head_dim, pool.v_head_dim,
+            pool.dtype, self.device,
+        )
+        self.states.on_free.append(cache.release)
+        self.states.extra_counts = lambda: {"device_slots_in_use": cache.resident_slots(),
+                                            "offload": {k: list(v) for k, v in cache.stats.items()}}
+        return cache
 
     def _attach_states(self, model_runner) -> RequestStates:
         """One registry per ReqToTokenPool (a prefill and a decode nosa backend share it)."""
@@ -106,17 +141,22 @@ class NosaAttnBackend(AttentionBackend):
         self._check_layer(layer)
         o, q_, o_, k_buf, v_buf = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
         head = self.heads[layer.layer_id]
+        self._write_cis(layer.layer_id, v, forward_batch, head)
         start = 0
-        for _, slots, ext_len in self.forward_metadata:
+        view = self._offload_view(layer.layer_id) if self.offload is not None else None
+        for i, (row, slots, ext_len) in enumerate(self.forward_metadata):
             if ext_len == 0:
                 continue
-            slots = slots.long()
-            k_ctx = k_buf[slots].to(q_.dtype)
-            v_ctx = v_buf[slots].to(q_.dtype)
-            out, _ = nosa_prefill(
-                q_[start : start + ext_len], k_ctx, v_ctx, head(v_ctx), self.config, layer.scaling
-            )
-            o_[start : start + ext_len] = out
+            rows = slice(start, start + ext_len)
+            if view is not None:  # reads only the union of each chunk's blocks from the host pool
+                state = self._state(row, layer.layer_id, fresh=slots.shape[0] == ext_len,
+                                    max_length=slots.shape[0] - ext_len)
+                o_[rows], _ = state.prefill(q_[rows], view, layer.scaling, seq=i)
+            else:
+                slots = slots.long()
+                v_ctx = v_buf[slots].to(q_.dtype)
+                o_[rows], _ = nosa_prefill(q_[rows], k_buf[slots].to(q_.dtype), v_ctx, head(v_ctx),
+                                           self.config, layer.scaling)
             start += ext_len
         return o
 
@@ -125,34 +165,66 @@ class NosaAttnBackend(AttentionBackend):
         q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
         o, q_, o_, k_buf, v_buf = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
         head = self.heads[layer.layer_id]
-        # eviction scores of the new tokens, read back from the pool like every other token's
-        cis_new = head(v_buf[forward_batch.out_cache_loc.long()])  # [R, Hkv]
+        cis_new = self._write_cis(layer.layer_id, v, forward_batch, head)  # [R, Hkv]
+        if self.offload is not None:
+            view = self._offload_view(layer.layer_id, new_tokens=(k, v, cis_new))
+        else:
+            lengths = [slots.shape[0] for _, slots, _ in self.forward_metadata]
+            view = PagedKV(k_buf, v_buf, self.cis_pool[layer.layer_id], self.req_to_token_pool.req_to_token,
+                           self.table_rows, lengths)
+            self._fill_missing_cis(layer.layer_id, v_buf, head)
         states = []
-        for i, (row, slots, _) in enumerate(self.forward_metadata):
-            state = self._decode_state(row, layer.layer_id, slots, k_buf, v_buf, head)
-            state.append(k_buf, cis_new[i : i + 1], slots=slots)
+        for i, (row, _, _) in enumerate(self.forward_metadata):
+            state = self._state(row, layer.layer_id, fresh=False, max_length=view.length(i) - 1)
+            state.append(view, seq=i)
             states.append(state)
-        # The whole batch in one call: selection for every request, then one gather of the selected
-        # blocks from the pool through req_to_token; never the whole context.
-        o_[:] = decode_attend(states, q_, k_buf, v_buf, layer.scaling,
-                              slot_table=self.req_to_token_pool.req_to_token, table_rows=self.table_rows)
+        # the whole batch in one call: select -> resolve (the view) -> attend
+        o_[:] = decode_attend(states, q_, view, layer.scaling)
         return o
 
     def support_triton(self):
         return False
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _decode_state(self, row, layer_id, slots, k_buf, v_buf, head) -> NosaDecodeState:
-        """The row's state holding every token but the last, caught up from the pool if needed
-        (a fresh request, or tokens that went through an extend, e.g. a mixed chunk)."""
-        prior = slots.shape[0] - 1
-        state = self.states.get(row, layer_id)
-        if state is None or state.length > prior:
-            state = NosaDecodeState(self.config, k_buf.shape[1], k_buf.shape[2], device=k_buf.device)
+    def _state(self, row, layer_id, fresh: bool, max_length: int | None = None) -> NosaDecodeState:
+        """The row's state; a new one for a fresh request or when the stored one is ahead of
+        ``max_length`` (the row was reused)."""
+        state = None if fresh else self.states.get(row, layer_id)
+        if state is None or (max_length is not None and state.length > max_length):
+            state = NosaDecodeState(self.config, self.num_kv_heads, self.head_dim, device=self.device)
             self.states.put(row, layer_id, state)
-        if state.length < prior:
-            state.append(k_buf, head(v_buf[slots[state.length : prior].long()]), slots=slots[:prior])
         return state
+
+    def _write_cis(self, layer_id, v, forward_batch, head):
+        """cis of the batch's new tokens, computed from V as the pool stores it, into the cis pool."""
+        loc = forward_batch.out_cache_loc
+        cis = head(v.view(-1, self.num_kv_heads, self.head_dim).to(self.token_to_kv_pool.dtype))
+        if self.offload is not None:
+            self.token_to_kv_pool.set_cis(layer_id, loc, cis)
+        else:
+            self.cis_pool[layer_id][loc.long()] = cis
+        return cis
+
+    def _fill_missing_cis(self, layer_id, v_buf, head) -> None:
+        """Tokens that another prefill backend wrote (--prefill-attention-backend torch_native) have
+        no cis yet: compute it from the pool's V for the tokens a state is about to catch up on."""
+        for row, slots, _ in self.forward_metadata:
+            state = self.states.get(row, layer_id)
+            have = 0 if state is None or state.length > slots.shape[0] - 1 else state.length
+            if have < slots.shape[0] - 1:
+                missing = slots[have : slots.shape[0] - 1].long()
+                self.cis_pool[layer_id][missing] = head(v_buf[missing])
+
+    def _offload_view(self, layer_id, new_tokens=None):
+        from nosa.serve.offload_kv import OffloadKV
+
+        rows = [row for row, _, _ in self.forward_metadata]
+        lengths = [slots.shape[0] for _, slots, _ in self.forward_metadata]
+        if new_tokens is not None:
+            k, v, cis = new_tokens
+            new_tokens = (k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, v.shape[-1]), cis)
+        return OffloadKV(self.token_to_kv_pool, self.offload, layer_id, self.req_to_token_pool.req_to_token,
+                         rows, lengths, self.device, new_tokens)
 
     def _prepare(self, q, k, v, layer, forward_batch, save_kv_cache):
         if save_kv_cache and k is not None and v is not None:

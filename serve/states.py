@@ -30,6 +30,8 @@ class RequestStates:
         self._lock = threading.Lock()  # free() may come from the scheduler while a forward runs
         self._stats_file = os.environ.get(ENV_STATS_FILE)
         self.freed_total = 0
+        self.on_free: list = []  # callbacks(row) run when a row is released (the device block cache)
+        self.extra_counts = None  # callable -> dict merged into counts() (offloading counters)
 
     def _generation(self, row: int) -> int:
         return int(self.pool.req_generation[row])
@@ -58,13 +60,16 @@ class RequestStates:
             entry[1][layer] = state
         self._write_stats()
 
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> dict:
         with self._lock:
-            return {
+            counts = {
                 "requests": len(self._rows),
                 "layer_states": sum(s is not None for _, layers in self._rows.values() for s in layers),
                 "freed_total": self.freed_total,
             }
+        if self.extra_counts is not None:
+            counts.update(self.extra_counts())
+        return counts
 
     # ---- ReqToTokenPool aux-cache protocol ---------------------------------------------------
     def free(self, row: int) -> None:
@@ -72,11 +77,17 @@ class RequestStates:
             self._rows.pop(row, None)
             self._freed[row] = self._generation(row)
             self.freed_total += 1
+        for callback in self.on_free:
+            callback(row)
         self._write_stats()
 
     def clear(self) -> None:
         with self._lock:
+            rows = list(self._rows)
             self._rows.clear()
+        for row in rows:
+            for callback in self.on_free:
+                callback(row)
         self._write_stats()
 
     def alloc_to_lengths(self, *, req_pool_indices_cpu, target_seq_lens_cpu) -> None:

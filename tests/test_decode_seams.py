@@ -42,7 +42,8 @@ def test_attention_over_disjoint_key_sets_merges_exactly_by_lse():
     logits = torch.einsum("hgd,htd->hgt", q[1].view(hkv, 2, d), pool_k[rows[1]]) * 0.4 + bias[1][:, None]
     torch.testing.assert_close(lse[1], torch.logsumexp(logits, -1).flatten(), rtol=1e-12, atol=1e-12)
     # a part with no key contributes nothing
-    empty = attend_gathered(q, pool_k, pool_v, rows[..., :2], torch.full((n, hkv, 2), NEG_INF, dtype=torch.float64), 0.4)
+    none = torch.full((n, hkv, 2), NEG_INF, dtype=torch.float64)
+    empty = attend_gathered(q, pool_k, pool_v, rows[..., :2], none, 0.4)
     assert torch.equal(empty[0], torch.zeros_like(empty[0])) and bool((empty[1] == NEG_INF).all())
     merged, _ = merge_attention([whole, empty[0]], [lse, empty[1]])
     torch.testing.assert_close(merged, whole)
@@ -84,7 +85,6 @@ def test_static_part_is_selected_whatever_the_query(a):
 
 
 def test_paged_view_equals_contiguous_view():
-    cfg = NosaConfig.tiny(dense_len=0)
     length = 150
     q, k, v, cis = _seq(length, seed=5)
     slots = torch.randperm(length + 20)[:length]

@@ -1,0 +1,161 @@
+"""The host KV pool: SGLang's logical KV pool, kept in host memory, and the hooks that install it.
+
+With offloading on, SGLang's allocator ids are host slots. Its KV pool and allocator are sized to
+the host capacity ($NOSA_HOST_KV_TOKENS), so SGLang's scheduler, chunked prefill, input-length
+limit, leak checks and release paths work unchanged against host memory; the backend's device
+block cache (nosa.serve.block_cache) holds the few blocks each step attends to.
+
+Layout per layer (SGLang's own "HND" layout, one page = one NOSA block): K and V
+[P, Hkv, B, D] and the eviction scores cis [P, Hkv, B] float32, so one (block, KV head) is one
+contiguous item: item ``page * Hkv + h`` of the [P * Hkv, B, D] view, the unit the recall engine
+(nosa.ops.copy_items) moves. Token slot ``s`` (an allocator id) is page ``s // B``, offset
+``s % B``. On CUDA the buffers are registered as pinned memory in chunks (as SGLang's HiCache
+does), so the recall kernel reads them directly.
+
+Hooks (sglang.srt.plugins.hook_registry, registered by the plugin when $NOSA_OFFLOAD=1, in every
+process): the KV pool class, the pool size (host tokens, not device memory), and the cap on
+running requests (the device budget's ``max_requests``). ``verify`` checks at start-up that each
+took effect: HookRegistry only logs a target it cannot resolve.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+
+from nosa.serve.offload_config import OffloadSettings, check_host_memory
+
+logger = logging.getLogger(__name__)
+
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+PIN_CHUNK_BYTES = 1 << 30  # cudaHostRegister in 1 GiB pieces
+
+
+class HostKVPool(MHATokenToKVPool):
+    """MHATokenToKVPool whose buffers live in host memory, in the page-major HND layout, plus cis."""
+
+    # SGLang reads $SGLANG_USE_HND_KVCACHE into ``use_hnd`` in __init__; this pool is always HND.
+    use_hnd = property(lambda self: True, lambda self, value: None)
+
+    def _create_buffers_normal(self):
+        shape = (self.num_pages, self.head_num, self.page_size)
+        nbytes = self.layer_num * (self.num_pages * self.head_num * self.page_size
+                                   * ((self.head_dim + self.v_head_dim) * self.store_dtype.itemsize + 4))
+        check_host_memory(nbytes, f"{self.layer_num} layers x {self.num_pages} pages of {self.page_size} tokens")
+        self.k_buffer = [torch.zeros(*shape, self.head_dim, dtype=self.store_dtype) for _ in range(self.layer_num)]
+        self.v_buffer = [torch.zeros(*shape, self.v_head_dim, dtype=self.store_dtype) for _ in range(self.layer_num)]
+        self.cis_buffer = [torch.zeros(shape, dtype=torch.float32) for _ in range(self.layer_num)]
+        if torch.device(self.device).type == "cuda":
+            for buf in (*self.k_buffer, *self.v_buffer, *self.cis_buffer):
+                _pin(buf)
+
+    # ---- item views (what the recall engine copies) -------------------------------------------
+    def items(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k [P*Hkv, B, D], v [P*Hkv, B, Dv], cis [P*Hkv, B]) of one layer; item = page * Hkv + h."""
+        i = layer_id - self.start_layer
+        return (self.k_buffer[i].flatten(0, 1), self.v_buffer[i].flatten(0, 1), self.cis_buffer[i].flatten(0, 1))
+
+    def token_rows(self, loc: torch.Tensor) -> torch.Tensor:
+        """[T] token slots -> [T, Hkv] rows of the [P*Hkv*B, D] view (row of token s, head h)."""
+        loc = loc.long()
+        page, off = loc // self.page_size, loc % self.page_size
+        heads = torch.arange(self.head_num, device=loc.device)
+        return ((page[:, None] * self.head_num + heads) * self.page_size + off[:, None])
+
+    # ---- writes ------------------------------------------------------------------------------
+    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, k_scale=None, v_scale=None,
+                      layer_id_override=None, dcp_kv_mask=None):
+        """K/V of new tokens [T, Hkv, D] into their host slots (one scatter per tensor)."""
+        from nosa import ops
+
+        if k_scale is not None or v_scale is not None or dcp_kv_mask is not None:
+            raise NotImplementedError("nosa offloading: scaled or masked KV writes are not supported")
+        loc, _, _ = unwrap_write_loc(loc_info)
+        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        k_items, v_items, _ = self.items(layer_id)
+        rows = self.token_rows(loc).flatten()
+        src = torch.arange(rows.numel(), device=rows.device)
+        ops.copy_items(
+            [k_items.view(-1, self.head_dim), v_items.view(-1, self.v_head_dim)],
+            [cache_k.to(self.dtype).reshape(-1, self.head_dim), cache_v.to(self.dtype).reshape(-1, self.v_head_dim)],
+            rows.to(k_items.device), src.to(cache_k.device),
+        )
+
+    def set_cis(self, layer_id: int, loc: torch.Tensor, cis: torch.Tensor) -> None:
+        """Eviction scores of new tokens [T, Hkv] into their host slots."""
+        from nosa import ops
+
+        _, _, cis_items = self.items(layer_id)
+        rows = self.token_rows(loc).flatten()
+        ops.copy_items([cis_items.view(-1, 1)], [cis.float().reshape(-1, 1)], rows.to(cis_items.device),
+                       torch.arange(rows.numel(), device=cis.device))
+
+    def get_cpu_copy(self, *args, **kwargs):
+        raise NotImplementedError("nosa offloading: the KV already lives in host memory (no CPU copy path)")
+
+    def load_cpu_copy(self, *args, **kwargs):
+        raise NotImplementedError("nosa offloading: the KV already lives in host memory (no CPU copy path)")
+
+
+def _pin(buf: torch.Tensor) -> None:
+    """Register a host tensor as pinned memory, in chunks (a single huge registration can fail)."""
+    cudart = torch.cuda.cudart()
+    flat = buf.view(-1).view(torch.uint8)
+    for start in range(0, flat.numel(), PIN_CHUNK_BYTES):
+        piece = flat[start : start + PIN_CHUNK_BYTES]
+        err = cudart.cudaHostRegister(piece.data_ptr(), piece.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"nosa offloading: cudaHostRegister failed ({err}) on {piece.numel()} bytes")
+
+
+# ---- hooks ----------------------------------------------------------------------------------
+def register_hooks(settings: OffloadSettings) -> None:
+    """Install the host pool through SGLang's HookRegistry (called by the plugin in every process)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def pool_class(original, self, *, kind, default):
+        cls = original(self, kind=kind, default=default)
+        return HostKVPool if kind == "mha" and cls is MHATokenToKVPool else cls
+
+    def profile(original, self, *args, **kwargs):
+        # the pool lives in host memory: device memory does not bound it (RAM is checked on allocation)
+        return max(original(self, *args, **kwargs), 1 << 50)
+
+    def token_cap(original, self, token_capacity):
+        return min(original(self, token_capacity), settings.host_tokens)
+
+    def max_requests(original, self, token_capacity):
+        from nosa.serve.checkpoint import load_nosa_config, resolve_model_dir
+
+        cfg, _ = load_nosa_config(resolve_model_dir(self.model_config.model_path))
+        return min(original(self, token_capacity), settings.max_requests(cfg))
+
+    HookRegistry.register(f"{_CONFIGURATOR}._resolve_kv_pool_class", pool_class, HookType.AROUND)
+    HookRegistry.register(f"{_CONFIGURATOR}._profile_available_bytes", profile, HookType.AROUND)
+    HookRegistry.register(f"{_CONFIGURATOR}._apply_token_constraints", token_cap, HookType.AROUND)
+    HookRegistry.register(f"{_CONFIGURATOR}.resolve_max_num_reqs", max_requests, HookType.AROUND)
+
+
+def verify(model_runner, settings: OffloadSettings, cfg) -> None:
+    """Start-up check that every hook took effect; raises naming the one that did not."""
+    pool = model_runner.token_to_kv_pool
+    if not isinstance(pool, HostKVPool):
+        raise RuntimeError(
+            f"nosa offloading: SGLang built a {type(pool).__name__}, not the host pool; the KV-pool hook "
+            f"({_CONFIGURATOR}._resolve_kv_pool_class) did not take effect with this SGLang version"
+        )
+    if pool.size > settings.host_tokens:
+        raise RuntimeError(
+            f"nosa offloading: the KV pool holds {pool.size} tokens, more than $NOSA_HOST_KV_TOKENS="
+            f"{settings.host_tokens}; the sizing hook ({_CONFIGURATOR}._apply_token_constraints) did not take effect"
+        )
+    max_reqs = model_runner.req_to_token_pool.size
+    if max_reqs > settings.max_requests(cfg):
+        raise RuntimeError(
+            f"nosa offloading: SGLang may run {max_reqs} requests at once but the device budget holds "
+            f"{settings.max_requests(cfg)}; the hook {_CONFIGURATOR}.resolve_max_num_reqs did not take effect"
+        )
+    logger.info("nosa offloading: host pool %d tokens (%d pages), device budget %d tokens = %d requests",
+                pool.size, pool.num_pages, settings.device_tokens, settings.max_requests(cfg))

@@ -1,0 +1,66 @@
+"""OffloadKV: the KV view (nosa.kv) of a batch whose KV lives in the host pool.
+
+- ``keys`` / ``cis``: token rows read from the host pool (a state's newest compressed window,
+  or its catch-up after a prefill chunk);
+- ``gather_blocks``: a prefill chunk's union of blocks, copied from the host pool into a working
+  buffer as whole (block, KV head) items (the context is never resident as a whole);
+- ``resolve``: the decode step's blocks through the device block cache (diff, one batched recall,
+  write-through of the new token; nosa.serve.block_cache).
+Every read goes through nosa.ops.copy_items, which on CUDA reads the pinned host pool directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nosa import ops
+
+
+class OffloadKV:
+    def __init__(self, pool, cache, layer_id: int, req_to_token: torch.Tensor, rows: list[int],
+                 lengths: list[int], device, new_tokens: tuple | None = None):
+        self.pool, self.cache, self.layer_id = pool, cache, layer_id
+        self.req_to_token, self.rows, self.lengths = req_to_token, rows, lengths
+        self.device, self.new_tokens = device, new_tokens
+        self.block = pool.page_size
+        self.host = pool.items(layer_id)  # (k [P*Hkv, B, D], v, cis [P*Hkv, B])
+
+    def length(self, i: int) -> int:
+        return self.lengths[i]
+
+    def _token_read(self, which: int, i: int, lo: int, hi: int) -> torch.Tensor:
+        rows = self.pool.token_rows(self.req_to_token[self.rows[i], lo:hi]).to(self.device)  # [n, Hkv]
+        src = self.host[which]
+        width = src.shape[-1] if which < 2 else 1
+        out = torch.empty(rows.numel(), width, dtype=src.dtype, device=self.device)
+        ops.copy_items([out], [src.view(-1, width)], torch.arange(rows.numel(), device=self.device), rows.flatten())
+        return out.view(*rows.shape, width) if which < 2 else out.view(rows.shape)
+
+    def keys(self, i: int, lo: int, hi: int) -> torch.Tensor:
+        return self._token_read(0, i, lo, hi)
+
+    def cis(self, i: int, lo: int, hi: int) -> torch.Tensor:
+        return self._token_read(2, i, lo, hi)
+
+    def _pages(self, row, blocks: torch.Tensor) -> torch.Tensor:
+        """Host page of each block of a request (-1 blocks -> -1)."""
+        first = self.req_to_token[row, (blocks.clamp(min=0) * self.block)].long()
+        return torch.where(blocks >= 0, first // self.block, -1)
+
+    def gather_blocks(self, i: int, blocks: torch.Tensor, block_size: int):
+        hkv = self.pool.head_num
+        pages = self._pages(self.rows[i], blocks.to(self.req_to_token.device)).to(self.device)  # [U]
+        src = (pages[:, None] * hkv + torch.arange(hkv, device=self.device)).flatten()
+        work = [torch.empty(src.numel(), *t.shape[1:], dtype=t.dtype, device=self.device) for t in self.host]
+        ops.copy_items(work, list(self.host), torch.arange(src.numel(), device=self.device), src)
+        u = blocks.numel()
+        # items [U * Hkv, B, ...] -> token-major [U * B, Hkv, ...]
+        return tuple(w.view(u, hkv, block_size, *w.shape[2:]).transpose(1, 2).reshape(u * block_size, hkv, *w.shape[2:])
+                     for w in work)
+
+    def resolve(self, blocks: torch.Tensor, lengths: torch.Tensor, block_size: int):
+        table_rows = torch.tensor(self.rows, device=self.req_to_token.device)
+        where = table_rows[:, None, None] * self.req_to_token.shape[1] + blocks.clamp(min=0).to(table_rows.device) * self.block
+        first = self.req_to_token.reshape(-1).index_select(0, where.flatten()).view(blocks.shape).long()
+        pages = torch.where(blocks >= 0, first.to(blocks.device) // self.block, -1)
+        return self.cache.resolve(self.layer_id, self.rows, blocks, self.lengths, pages, self.host, self.new_tokens)
