@@ -160,6 +160,7 @@ class _SparsePrefill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cis, sel, positions, block_size, scale, tile):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        ctx.cis_dtype = cis.dtype
         cis = cis.float().contiguous()
         sel, positions, union, count, tile = _prepare(q, k, v, cis, sel, positions, block_size, tile)
         grid, args, consts, out, lse = forward_plan(q, k, v, cis, sel, positions, union, count, block_size, scale,
@@ -183,7 +184,7 @@ class _SparsePrefill(torch.autograd.Function):
         grid, args, consts, dq, dk, dv, dcis = backward_plan(q, k, v, cis, sel, positions, union, count, dout, lse,
                                                              delta.contiguous(), block_size, scale, tile)
         kernels()["backward"][grid](*args, **consts, num_warps=8)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), dcis, None, None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), dcis.to(ctx.cis_dtype), None, None, None, None, None
 
 
 def sparse_prefill(q, k, v, cis, sel, positions, block_size: int, scale: float, tile: int | None = None):

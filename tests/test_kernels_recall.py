@@ -86,7 +86,8 @@ def test_write_back_to_host(impl):
 def test_dispatch_and_item_views():
     """ops.copy_items keeps one staging copier per layout; items are moved as wide integers."""
     host, dev = pools(3, 2, 16, 8, 4, torch.bfloat16)
-    assert item_rows(dev[0]).dtype == torch.int64 and item_rows(torch.zeros(4, 3, dtype=torch.uint8)).dtype == torch.uint8
+    assert item_rows(dev[0]).dtype == torch.int64
+    assert item_rows(torch.zeros(4, 3, dtype=torch.uint8)).dtype == torch.uint8
     dst_idx, src_idx = torch.tensor([1, 3], device=DEVICE), torch.tensor([4, 0], device=DEVICE)
     expect = loop_copy(dev, as_items(host), dst_idx, src_idx)
     ops.copy_items(dev, as_items(host), dst_idx, src_idx)
