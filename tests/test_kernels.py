@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from nosa import EvictionHead, NosaConfig, NosaDecodeState
-from nosa.kv import ContiguousKV
 from nosa.kernels.sparse_decode import sparse_decode, sparse_decode_reference
+from nosa.kv import ContiguousKV
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
