@@ -1,13 +1,18 @@
-"""Decode attention over the NOSA budget vs dense decode attention over the whole context.
+"""NOSA kernels vs dense attention, side by side in one run (ratios, not absolute claims).
 
-Side by side in one run: per (context, batch), the time of one decode attention call
-- dense: torch SDPA over every token (contiguous KV, the best case for dense),
-- nosa_ref: the torch reference of the paged sparse kernel (gather of the K selected blocks),
-- nosa_triton: the Triton kernel (CUDA only; the interpreter is far too slow to time),
-and the ratios dense / nosa. Writes JSON (default results/kernels.json).
+Sections (``--only`` picks some):
+- decode_slots: one decode step over the device block cache (offloading on): nosa.ops.slot_decode
+  (Triton on CUDA, the torch reference on CPU) over NS = topk + 1 slots per (request, KV head) vs
+  dense SDPA decode over the whole contiguous context;
+- decode_paged: the paged sparse decode (offloading off): reference and, on CUDA, Triton vs dense;
+- prefill: block-sparse prefill forward + backward (nosa.ops.sparse_prefill_attention) vs dense
+  causal SDPA forward + backward over the same context.
+Shapes: on CUDA Llama-3-8B heads (Hq 32, Hkv 8, D 128, bf16, block 64, top-k 64 blocks); on CPU the
+tiny serving model's heads (Hq 8, Hkv 2, D 32, fp32). Each row also records the kernel's max error
+against the torch reference on the same inputs (CUDA). Writes JSON (default results/kernels.json).
 
-    python scripts/bench_kernels.py --quick            # CPU: a few minutes at most
-    python scripts/bench_kernels.py --out results/kernels_gpu.json   # on a GPU
+    python scripts/bench_kernels.py --quick                          # CPU: about a minute
+    python scripts/bench_kernels.py --out results/gpu/kernels_gpu.json  # on a GPU (gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -25,7 +30,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from nosa import ops  # noqa: E402
+from nosa.kernels.slot_decode import slot_decode_reference  # noqa: E402
 from nosa.kernels.sparse_decode import sparse_decode, sparse_decode_reference  # noqa: E402
+from nosa.kernels.sparse_prefill import sparse_prefill_reference  # noqa: E402
+
+DEVICE = "cpu"
+
+
+def randn(*shape, dtype=torch.float32) -> torch.Tensor:
+    """Random inputs made on the benchmark's device (CPU randn of GiBs would take minutes)."""
+    return torch.randn(shape, device=DEVICE).to(dtype)
 
 
 def timed(fn, repeats: int, device: str) -> float:
@@ -43,62 +58,167 @@ def timed(fn, repeats: int, device: str) -> float:
     return statistics.median(times)
 
 
-def case(context, batch, hq, hkv, d, block, topk, dtype, device, repeats):
-    g = torch.Generator(device="cpu").manual_seed(0)
+def selection(batch_heads: int, nb: int, topk: int, g) -> torch.Tensor:
+    """A realistic decode selection per (sequence, KV head): sink, a 16-block window, random others."""
+    sel = torch.stack([torch.randperm(nb - 17, generator=g)[: topk - 17] + 1 for _ in range(batch_heads)])
+    window = torch.arange(nb - 16, nb).expand(batch_heads, 16)
+    return torch.cat([torch.zeros(batch_heads, 1, dtype=torch.long), sel, window], 1).sort(-1).values
+
+
+def dense_decode(q, k_dense, v_dense):
+    return F.scaled_dot_product_attention(q[:, :, None], k_dense, v_dense, enable_gqa=True)
+
+
+def decode_slots(context, batch, hq, hkv, d, block, topk, dtype, device, repeats, g):
+    """Offloading on: the device cache holds each (request, KV head)'s topk blocks + the tail block."""
+    ns = topk + 1
+    k_dense, v_dense = randn(batch, hkv, context, d, dtype=dtype), randn(batch, hkv, context, d, dtype=dtype)
+    q = randn(batch, hq, d, dtype=dtype)
+    slots_total = batch * hkv * ns
+    k_dev, v_dev = randn(slots_total, block, d, dtype=dtype), randn(slots_total, block, d, dtype=dtype)
+    cis_dev = randn(slots_total, block) * 0.1
+    slots = torch.randperm(slots_total, generator=g).view(batch, hkv, ns).to(device)
+    fill = torch.full((batch, hkv, ns), block, dtype=torch.int32, device=device)
+    fill[..., -1] = block // 2
+    args = (q, k_dev, v_dev, cis_dev, slots, fill, d**-0.5)
+    row = {"context": context, "batch": batch, "slots_per_head": ns,
+           "dense_s": timed(lambda: dense_decode(q, k_dense, v_dense), repeats, device),
+           "nosa_s": timed(lambda: ops.slot_decode(*args), repeats, device), "nosa_backend": ops.backend(q)}
+    row["dense_over_nosa"] = row["dense_s"] / row["nosa_s"]
+    if device == "cuda":
+        row["max_abs_err_vs_ref"] = (ops.slot_decode(*args)[0].float()
+                                     - slot_decode_reference(*args)[0].float()).abs().max().item()
+    return row
+
+
+def decode_paged(context, batch, hq, hkv, d, block, topk, dtype, device, repeats, g):
+    """Offloading off: selected blocks read from SGLang's paged token pool through the token table."""
     pool = batch * context
-    k_pool = torch.randn(pool, hkv, d, generator=g).to(device, dtype)
-    v_pool = torch.randn(pool, hkv, d, generator=g).to(device, dtype)
-    cis_pool = torch.randn(pool, hkv, generator=g).to(device) * 0.1
+    k_pool, v_pool = randn(pool, hkv, d, dtype=dtype), randn(pool, hkv, d, dtype=dtype)
+    cis_pool = randn(pool, hkv) * 0.1
     table = torch.arange(pool, dtype=torch.int32, device=device).reshape(batch, context)
-    q = torch.randn(batch, hq, d, generator=g).to(device, dtype)
-    nb = context // block
-    # a realistic selection: sink, a local window, and random other blocks
-    sel = torch.stack([torch.randperm(nb - 17, generator=g)[: topk - 17] + 1 for _ in range(batch * hkv)])
-    window = torch.arange(nb - 16, nb).expand(batch * hkv, 16)
-    sel = torch.cat([torch.zeros(batch * hkv, 1, dtype=torch.long), sel, window], 1)
-    sel = sel.sort(-1).values.reshape(batch, hkv, topk).to(device, torch.int32)
+    q = randn(batch, hq, d, dtype=dtype)
+    sel = selection(batch * hkv, context // block, topk, g).reshape(batch, hkv, topk).to(device, torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     args = (q, k_pool, v_pool, cis_pool, table, sel, lens, block, d**-0.5)
     k_dense = k_pool.reshape(batch, context, hkv, d).transpose(1, 2)
     v_dense = v_pool.reshape(batch, context, hkv, d).transpose(1, 2)
-
-    def dense():
-        return F.scaled_dot_product_attention(q[:, :, None], k_dense, v_dense, enable_gqa=True)
-
-    row = {"context": context, "batch": batch, "dense_s": timed(dense, repeats, device),
+    row = {"context": context, "batch": batch, "dense_s": timed(lambda: dense_decode(q, k_dense, v_dense), repeats,
+                                                                 device),
            "nosa_ref_s": timed(lambda: sparse_decode_reference(*args), repeats, device)}
     row["dense_over_nosa_ref"] = row["dense_s"] / row["nosa_ref_s"]
     if device == "cuda":
         row["nosa_triton_s"] = timed(lambda: sparse_decode(*args), repeats, device)
         row["dense_over_nosa_triton"] = row["dense_s"] / row["nosa_triton_s"]
-        err = (sparse_decode(*args).float() - sparse_decode_reference(*args).float()).abs().max().item()
-        row["triton_max_abs_err_vs_ref"] = err
+        row["max_abs_err_vs_ref"] = (sparse_decode(*args).float() - sparse_decode_reference(*args).float()
+                                     ).abs().max().item()
+    return row
+
+
+def prefill_selection(context, hkv, block, topk, window, device, g):
+    """Per row: sink, the window (current block and window-1 before), a per-head static top set
+    (fixed per KV head, as the eviction ranking is) and per-row random picks; -1 where too few blocks."""
+    nb = context // block
+    rank = torch.rand(hkv, nb, device=device)
+    cur = torch.arange(context, device=device) // block  # [n]
+    free = topk - 1 - window
+    picks = free // 2
+    static_n = free - picks
+    # static part per distinct current block: the best-ranked blocks in [1, cur - window]
+    static = torch.full((nb, hkv, static_n), -1, dtype=torch.long, device=device)
+    blocks = torch.arange(nb, device=device)
+    for c in range(window + 1, nb):
+        allowed = (blocks >= 1) & (blocks <= c - window)
+        top = rank.masked_fill(~allowed, -1).topk(min(static_n, int(allowed.sum())), dim=-1)
+        static[c, :, : top.indices.shape[1]] = top.indices
+    rows = static[cur]  # [n, Hkv, static_n]
+    win = cur[:, None] - torch.arange(window, device=device)  # [n, window]
+    win = torch.where(win >= 1, win, -1)[:, None].expand(-1, hkv, -1)
+    rand = (torch.rand(context, hkv, picks, device=device) * cur[:, None, None].clamp(min=1)).long()
+    rand = torch.where(cur[:, None, None] > window, rand, -1)
+    sink = torch.zeros(context, hkv, 1, dtype=torch.long, device=device)
+    return torch.cat([sink, win, rows, rand], -1)  # [n, Hkv, topk]; duplicates only cost time
+
+
+def prefill(context, hq, hkv, d, block, topk, dtype, device, repeats, g):
+    q = randn(context, hq, d, dtype=dtype).requires_grad_()
+    k = randn(context, hkv, d, dtype=dtype).requires_grad_()
+    v = randn(context, hkv, d, dtype=dtype).requires_grad_()
+    cis = (randn(context, hkv) * 0.1).requires_grad_()
+    sel = prefill_selection(context, hkv, block, topk, min(17, topk - 2), device, g)
+    positions = torch.arange(context, device=device)
+    dout = randn(context, hq, d, dtype=dtype)
+
+    def sparse():
+        out, _ = ops.sparse_prefill_attention(q, k, v, cis, sel, positions, block, d**-0.5)
+        out.backward(dout)
+
+    def sparse_fwd():
+        with torch.no_grad():
+            ops.sparse_prefill_attention(q, k, v, cis, sel, positions, block, d**-0.5)
+
+    qd, kd, vd = (x.detach().transpose(0, 1)[None].requires_grad_() for x in (q, k, v))
+    dd = dout.transpose(0, 1)[None]
+
+    def dense():
+        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True).backward(dd)
+
+    def dense_fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+
+    row = {"context": context, "topk_blocks": topk, "nosa_backend": ops.backend(q),
+           "dense_fwd_s": timed(dense_fwd, repeats, device), "nosa_fwd_s": timed(sparse_fwd, repeats, device),
+           "dense_fwd_bwd_s": timed(dense, repeats, device), "nosa_fwd_bwd_s": timed(sparse, repeats, device)}
+    row["dense_over_nosa_fwd"] = row["dense_fwd_s"] / row["nosa_fwd_s"]
+    row["dense_over_nosa_fwd_bwd"] = row["dense_fwd_bwd_s"] / row["nosa_fwd_bwd_s"]
+    if device == "cuda":  # error against the reference on the last 32 rows (the reference gathers per row)
+        rows = slice(context - 32, context)
+        with torch.no_grad():
+            out = ops.sparse_prefill_attention(q, k, v, cis, sel, positions, block, d**-0.5)[0][rows]
+            want = sparse_prefill_reference(q[rows], k, v, cis, sel[rows], positions[rows], block, d**-0.5)[0]
+        row["fwd_max_abs_err_vs_ref"] = (out.float() - want.float()).abs().max().item()
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/kernels.json")
-    parser.add_argument("--quick", action="store_true", help="small contexts and few repeats")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--only", default="decode_slots,decode_paged,prefill", help="comma-separated sections")
     args = parser.parse_args()
-    device = args.device
-    if device == "cuda":  # a model shaped like Llama-3-8B: GQA 32/8, head dim 128, released budget
+    global DEVICE
+    device = DEVICE = args.device
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    if device == "cuda":  # Llama-3-8B heads: GQA 32/8, head dim 128, the released budget
         shape = dict(hq=32, hkv=8, d=128, block=64, topk=64, dtype=torch.bfloat16)
-        grid = [(16384, 16), (32768, 16), (65536, 16), (131072, 8)]
-    else:  # the tiny serving model of the benchmarks (GQA 8/2, head dim 32), fp32
+        decode_grid = [(32768, 16), (131072, 8)] if args.quick else [(32768, 16), (65536, 16), (131072, 8)]
+        prefill_grid = [32768]
+    else:  # the tiny serving model's heads, fp32
         shape = dict(hq=8, hkv=2, d=32, block=64, topk=64, dtype=torch.float32)
-        grid = [(8192, 4), (32768, 4), (65536, 4)]
-    if args.quick:
-        grid = grid[:2]
+        decode_grid = [(8192, 4), (32768, 4)] if args.quick else [(8192, 4), (32768, 4), (65536, 4)]
+        prefill_grid = [2048]
     repeats = 5 if args.quick else 20
-    rows = []
-    for context, batch in grid:
-        row = case(context, batch, device=device, repeats=repeats, **shape)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    sections = [s for s in args.only.split(",") if s]
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-              "torch": torch.__version__, "shape": {k: str(v) for k, v in shape.items()}, "rows": rows}
+              "torch": torch.__version__, "shape": {k: str(v) for k, v in shape.items()}}
+    for section in sections:
+        rows = []
+        if section in ("decode_slots", "decode_paged"):
+            fn = decode_slots if section == "decode_slots" else decode_paged
+            for context, batch in decode_grid:
+                rows.append(fn(context, batch, device=device, repeats=repeats, g=g, **shape))
+                print(section, json.dumps(rows[-1]), flush=True)
+        elif section == "prefill":
+            pshape = dict(shape, topk=8) if device == "cpu" else shape  # CPU: the reference gathers per row
+            for context in prefill_grid:
+                rows.append(prefill(context, device=device, repeats=max(2, repeats // 4), g=g, **pshape))
+                print(section, json.dumps(rows[-1]), flush=True)
+        else:
+            raise SystemExit(f"--only: unknown section {section!r} (decode_slots, decode_paged, prefill)")
+        result[section] = rows
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -21,17 +21,17 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setenv("NOSA_KERNELS", "reference")
     assert ops.backend(cpu) == "reference"
     monkeypatch.setenv("NOSA_KERNELS", "triton")
-    assert ops.backend(cpu) == "triton"
+    assert ops.backend(torch.zeros(1, device=DEVICE)) == "triton"  # CPU: through the interpreter
     monkeypatch.setenv("NOSA_KERNELS", "fast")
     with pytest.raises(ValueError, match="NOSA_KERNELS must be one of"):
         ops.backend(cpu)
     monkeypatch.setenv("NOSA_KERNELS", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-            ops.backend(cpu)
-    else:
-        assert ops.backend(cpu.cuda()) == "triton"
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        ops.backend(cpu)
+    monkeypatch.delenv("NOSA_KERNELS")
+    if torch.cuda.is_available():
+        assert ops.backend(cpu.cuda()) == "triton" and ops.use_kernels(cpu, cpu.cuda())
 
 
 def both(monkeypatch, fn):

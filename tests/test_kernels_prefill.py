@@ -102,8 +102,8 @@ def test_sparse_prefill_kernel_matches_reference(length, n, hq, hkv, d, block, t
 def test_rows_without_keys_and_unions():
     q, k, v, cis, sel, positions = case(48, 8, 2, 1, 16, 16, 3, seed=2)
     sel[3] = -1  # nothing selected: out 0, lse -inf, zero (finite) gradients
-    inputs = [t.clone().requires_grad_() for t in (q, k, v, cis)]
-    out, lse = sparse_prefill(*inputs, sel, positions, 16, 0.25, tile=4)
+    inputs = [t.to(DEVICE).requires_grad_() for t in (q, k, v, cis)]
+    out, lse = sparse_prefill(*inputs, sel.to(DEVICE), positions.to(DEVICE), 16, 0.25, tile=4)
     assert torch.all(out[3] == 0) and torch.all(lse[3] == float("-inf"))
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in inputs) and torch.all(inputs[0].grad[3] == 0)

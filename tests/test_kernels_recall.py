@@ -117,3 +117,24 @@ def test_recall_rejects_bad_input():
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="outside"):
             ops.copy_items(dev, items, torch.tensor([0, 4]), idx)
+
+
+@pytest.mark.gpu
+def test_recall_from_pinned_host_memory():
+    """On CUDA the kernel reads a pinned host pool directly (UVA) and writes back into it."""
+    host, dev = pools(8, 2, 64, 128, 10, torch.bfloat16)
+    pinned = [t.cpu().pin_memory() for t in host]
+    items = as_items(pinned)
+    dst_idx = torch.tensor([4, 0, 9, 2, -1], device="cuda")
+    src_idx = torch.tensor([15, 3, -1, 8, 0], device="cuda")
+    expect = loop_copy([t.cpu() for t in dev], items, dst_idx.cpu(), src_idx.cpu())
+    copy_items_triton(dev, items, dst_idx, src_idx)
+    torch.cuda.synchronize()
+    for got, want in zip(dev, expect):
+        assert torch.equal(got.cpu(), want)
+    back = [torch.zeros_like(t).pin_memory() for t in items]
+    # write-back: device slots 4, 0, 2 -> pinned host items 15, 3, 8 (padded to a fixed length)
+    to_host, from_dev = torch.tensor([15, 3, 8, -1], device="cuda"), torch.tensor([4, 0, 2, -1], device="cuda")
+    copy_items_triton(back, dev, to_host, from_dev)
+    torch.cuda.synchronize()
+    assert torch.equal(back[0][15], items[0][15]) and torch.equal(back[2][8], items[2][8])
