@@ -142,7 +142,7 @@ class DeviceBlockCache:
         here = wanted == (last // self.block)[:, None, None]  # [R, Hkv, W]: the tail block
         slot_item = torch.where(here, item, -1).max(dim=-1).values  # [R, Hkv]
         dst = (slot_item * self.block + (last % self.block)[:, None]).flatten()
-        src = torch.arange(dst.numel(), device=dst.device)
+        src = torch.where(slot_item.flatten() >= 0, torch.arange(dst.numel(), device=dst.device), -1)
         dst_k, dst_v, dst_c = (t.view(-1, t.shape[-1]) if t.dim() == 3 else t.view(-1, 1)
                                for t in (self.k[layer], self.v[layer], self.cis[layer]))
         ops.copy_items([dst_k, dst_v, dst_c],
