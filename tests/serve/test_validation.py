@@ -1,0 +1,182 @@
+"""Validation at SGLang's door (nosa.serve.validate, registered by the plugin): requests that used to
+kill the whole server get HTTP 400 and the next request is served with the same tokens.
+
+One server for the module, with SGLang's own torch_native backend: the hooks are on SGLang's
+request path, so they protect every backend (tests/serve/test_sglang_backend.py and scripts/soak.py
+run the nosa backend). The hook logic itself is also tested in-process, without a server.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+pytest.importorskip("sglang")
+import sglang_tiny as tiny  # noqa: E402  (tests/serve is on sys.path: rootdir-relative import mode)
+
+from nosa.serve import validate  # noqa: E402
+
+_MISSING = tiny.cpu_engine_missing()
+CONTEXT_LEN = 512
+ARGS = ["--attention-backend", "torch_native", "--skip-server-warmup", "--sleep-on-idle", "--dtype", "float32",
+        "--max-total-tokens", "4096", "--mem-fraction-static", "0.3", "--context-length", str(CONTEXT_LEN)]
+PROBE = tiny.prompt_ids(40, 3)
+SP = {"max_new_tokens": 4}
+
+# (name, path, body, what the message must say): each of these crashed the scheduler of SGLang
+# 0.5.23 (and every process with it) or was inconsistent with its neighbours (issue 10).
+CRASHERS = [
+    ("batch with an empty row", "/generate", {"input_ids": [[]], "sampling_params": SP}, "no tokens"),
+    ("batch: good row, empty row", "/generate", {"input_ids": [[1, 2], []], "sampling_params": SP}, "no tokens"),
+    ("id = vocab_size", "/generate", {"input_ids": [5, tiny.VOCAB], "sampling_params": SP},
+     f"input_ids[1] = {tiny.VOCAB} is outside the model's vocabulary [0, {tiny.VOCAB})"),
+    ("negative id", "/generate", {"input_ids": [5, 6, -1], "sampling_params": SP}, "input_ids[2] = -1"),
+    ("batch row out of vocabulary", "/generate",
+     {"input_ids": [[1, 2], [3, tiny.VOCAB + 9]], "sampling_params": SP}, f"= {tiny.VOCAB + 9} is outside"),
+    ("completions: id out of vocabulary", "/v1/completions",
+     {"model": "m", "prompt": [1, 2, 4000], "max_tokens": 4}, "input_ids[2] = 4000"),
+    ("completions: batch row negative", "/v1/completions",
+     {"model": "m", "prompt": [[1, 2], [-3]], "max_tokens": 4}, "input_ids[0] = -3"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if _MISSING:
+        pytest.skip(_MISSING)
+    from nosa.serve.process import ServerProcess
+
+    root = tmp_path_factory.mktemp("validation")
+    ckpt = tiny.make_checkpoint(str(root / "ckpt"), None, seed=2)
+    proc = ServerProcess(ckpt, ARGS, str(root / "server.log"))
+    try:
+        proc.wait_ready()
+        proc.ckpt = ckpt
+        proc.probe_tokens = proc.generate(PROBE, 8)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("name,path,body,says", CRASHERS, ids=[c[0] for c in CRASHERS])
+def test_crashing_request_gets_400_and_the_server_keeps_serving(server, name, path, body, says):
+    status, answer = server.post(path, body)
+    assert status == 400, (status, answer)
+    assert says in json.dumps(answer), answer
+    assert server.generate(PROBE, 8) == server.probe_tokens
+
+
+def test_empty_text_is_one_bos_token_and_is_served(server):
+    """The issue's first crasher: with a BOS-adding tokenizer "" is a one-token prompt."""
+    status, body = server.post("/generate", {"text": "", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    assert status == 200, body
+    assert body["meta_info"]["prompt_tokens"] == 1
+    assert server.generate(PROBE, 8) == server.probe_tokens
+
+
+def _tokenizer(server):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(server.ckpt)
+
+
+def test_text_is_encoded_with_bos(server):
+    prompt = _tokenizer(server)("hello")["input_ids"]
+    assert prompt[0] == 256 and len(prompt) == 6  # <s> and one byte-level token per letter
+    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    status, by_text = server.post("/generate", {"text": "hello", "sampling_params": params})
+    assert status == 200, by_text
+    assert by_text["meta_info"]["prompt_tokens"] == 6
+    assert by_text["output_ids"] == server.generate(prompt, 5)
+
+
+def test_400_bodies_show_no_server_paths(server):
+    """FastAPI's validation errors name the endpoint's source file; SGLang returns them in the body."""
+    for body in ('{"input_ids": [1, 2', {"input_ids": "abc"}, {"text": 5}):
+        status, answer = _raw(server, body) if isinstance(body, str) else server.post("/generate", body)
+        assert status == 400, answer
+        text = json.dumps(answer)
+        assert sys.prefix not in text and "site-packages" not in text, text
+        assert "validation error" in text  # the useful part of the message is kept
+
+
+def test_chat_completions_answer_with_the_shipped_template(server):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    status, body = server.post("/v1/chat/completions", {"model": "m", "max_tokens": 4, "temperature": 0,
+                                                        "messages": messages})
+    assert status == 200, body
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["completion_tokens"] >= 1
+    ids = _tokenizer(server).apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+    assert ids[0] == 256 and ids.count(256) == 1  # one BOS, from the template
+    assert body["usage"]["prompt_tokens"] == len(ids)
+
+
+def _raw(server, text: str):
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(server.url + "/generate", data=text.encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+# ---- the hook logic, in-process ----------------------------------------------------------------
+@pytest.mark.parametrize("ids,says", [
+    ([], "no tokens"), ([0, 319], None), ([0, 320], "input_ids[1] = 320"), ([-1], "input_ids[0] = -1"),
+    ([3, 2**63 - 1], "input_ids[1] = 9223372036854775807"), ([1, "a"], "must be integers, got str"),
+])
+def test_validate_prompt(ids, says):
+    if says is None:
+        validate.validate_prompt(ids, 320)
+    else:
+        with pytest.raises(ValueError, match=says.replace("[", r"\[")):
+            validate.validate_prompt(ids, 320)
+
+
+def test_scrub_paths_keeps_the_message():
+    msg = 'bad\n  File "/work/main/.venv/lib/python3.11/site-packages/sglang/srt/x.py", line 9, in f'
+    assert validate.scrub_paths(msg) == 'bad\n  File "<path>/x.py", line 9, in f'
+    assert validate.scrub_paths("top_p must be in (0, 1], got 2.") == "top_p must be in (0, 1], got 2."
+    assert validate.scrub_paths("tokens/s and a/b") == "tokens/s and a/b"
+
+
+def test_hooks_apply_and_the_start_up_check_sees_them():
+    """install() + HookRegistry.apply_hooks() (what load_plugins does): the check passes and
+    SGLang's _validate_one_request now refuses out-of-vocabulary ids."""
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    validate.install()
+    validate.install()  # idempotent: one hook per target
+    assert sum(h is validate._around_validate for _, h, _ in HookRegistry._hooks[validate.VALIDATE_TARGET]) == 1
+    HookRegistry.apply_hooks()
+    validate.check_installed()
+    fake = types.SimpleNamespace(model_config=types.SimpleNamespace(vocab_size=10))
+    obj = types.SimpleNamespace(input_embeds=None, contains_mm_input=lambda: False)
+    with pytest.raises(ValueError, match=r"input_ids\[1\] = 10 is outside"):
+        TokenizerManager._validate_one_request(fake, obj, [1, 10])
+    with pytest.raises(ValueError, match="no tokens"):
+        TokenizerManager._validate_one_request(fake, obj, [])
+
+
+def test_start_up_check_fails_loudly_when_a_hook_is_missing(monkeypatch):
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    monkeypatch.setattr(TokenizerManager, "_validate_one_request", lambda self, obj, ids: None)
+    with pytest.raises(RuntimeError, match="did not take effect"):
+        validate.check_installed()
+
+
+def test_install_exits_when_sglang_lacks_the_target(monkeypatch):
+    monkeypatch.setattr(validate, "VALIDATE_TARGET", validate.VALIDATE_TARGET + "_gone")
+    with pytest.raises(SystemExit, match="cannot hook .*_validate_one_request_gone"):
+        validate.install()
