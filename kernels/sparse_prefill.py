@@ -13,9 +13,11 @@ Kernels (InfLLM-v2 style tiling): one program per (tile of TQ consecutive query 
 TQ x G query heads of the tile are the rows of one matrix tile. The wrapper lists the union of the
 blocks the tile's rows selected (rows of a tile mostly share their blocks: sink, window, static
 picks); the program walks that union once, loading each block once for the whole tile, and masks
-out the rows that did not select it. Backward walks the same union, recomputes the probabilities
-from lse, keeps dq in registers and adds dk, dv, dcis into fp32 buffers with atomics (blocks are
-shared by many tiles).
+out the rows that did not select it. Backward recomputes the probabilities from lse in two
+passes without per-step atomics (as FlashAttention-2 does, over sparse lists): dq walks each
+tile's union; dk, dv, dcis walk, per (KV head, block), the inverted list of tiles that read the
+block (``block_work``), in chunks so that the sink block, read by every tile, is spread over many
+programs (one fp32 atomic add per element and chunk).
 """
 
 from __future__ import annotations
@@ -139,21 +141,53 @@ def forward_plan(q, k, v, cis, sel, positions, union, count, block_size, scale, 
     return grid, args, _consts(q, k, v, sel.shape[2], block_size, tile), out, lse
 
 
+CHUNK_TILES = 32  # query tiles per dk/dv program: a block selected by every tile (the sink) is split
+
+
+def block_work(union, count, num_blocks: int, chunk: int = CHUNK_TILES):
+    """Invert the tiles' unions for the key-major pass: which tiles read each (KV head, block).
+    Returns (work [W, 4] int32 rows (head, block, start, end) over ``tiles`` [E] int32, tiles listed
+    per (head, block) in ascending order, each row covering at most ``chunk`` of them)."""
+    tiles, hkv, width = union.shape
+    valid = torch.arange(width, device=union.device) < count[..., None].long()  # [T, Hkv, U]
+    t_idx, h_idx, u_idx = valid.nonzero(as_tuple=True)  # tile-major, so tiles ascend within a key
+    key = h_idx * num_blocks + union[t_idx, h_idx, u_idx].long()
+    order = torch.sort(key, stable=True).indices
+    key, tile_list = key[order], t_idx[order].to(torch.int32)
+    per_key = torch.bincount(key, minlength=hkv * num_blocks)
+    first = torch.cumsum(per_key, 0) - per_key
+    chunks = -(-per_key // chunk)
+    owner = torch.repeat_interleave(torch.arange(hkv * num_blocks, device=union.device), chunks)  # key of each row
+    nth = torch.arange(owner.numel(), device=union.device) - (torch.cumsum(chunks, 0) - chunks)[owner]
+    lo = first[owner] + nth * chunk
+    hi = torch.minimum(lo + chunk, first[owner] + per_key[owner])
+    work = torch.stack([owner // num_blocks, owner % num_blocks, lo, hi], 1).to(torch.int32).contiguous()
+    return work, tile_list.contiguous()
+
+
 def backward_plan(q, k, v, cis, sel, positions, union, count, dout, lse, delta, block_size, scale, tile):
-    """(grid, args, constexprs, dq, dk, dv, dcis): dq in q.dtype, the others fp32 accumulators."""
+    """Launches of the backward as [(kernel name, grid, args, constexprs, num_warps)] and (dq, dk, dv,
+    dcis): "dq" walks each tile's union (query-major, no atomics); "dkdv" walks, per (KV head, block),
+    the tiles that read the block (key-major), in chunks of CHUNK_TILES tiles whose partial sums go
+    into fp32 dk, dv, dcis with one atomic add per element and chunk."""
     n, hq, _ = q.shape
     length, hkv, _ = k.shape
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
     dcis = torch.zeros(cis.shape, dtype=torch.float32, device=q.device)
-    args = [q, k, v, cis, sel, positions, union, count, dout, lse, delta, dq, dk, dv, dcis,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cis.stride(0),
-            cis.stride(1), sel.stride(0), sel.stride(1), union.stride(0), union.stride(1),
-            dout.stride(0), dout.stride(1), lse.stride(0), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            dcis.stride(0), n, length, scale]
-    grid = (union.shape[0], hkv)
-    return grid, args, _consts(q, k, v, sel.shape[2], block_size, tile), dq, dk, dv, dcis
+    common = [q, k, v, cis, sel, positions, dout, lse, delta,
+              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cis.stride(0),
+              cis.stride(1), sel.stride(0), sel.stride(1), dout.stride(0), dout.stride(1), lse.stride(0), n, length,
+              scale]
+    consts = _consts(q, k, v, sel.shape[2], block_size, tile)
+    dq_args = common + [union, count, dq, union.stride(0), union.stride(1)]
+    work, tiles = block_work(union, count, -(-length // block_size))
+    dkdv_args = common + [work, tiles, dk, dv, dcis, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                          dcis.stride(0)]
+    launches = [("dq", (union.shape[0], hkv), dq_args, consts, 8),
+                ("dkdv", (max(1, work.shape[0]),), dkdv_args + [work.shape[0]], consts, 8)]
+    return launches, (dq, dk, dv, dcis)
 
 
 class _SparsePrefill(torch.autograd.Function):
@@ -181,9 +215,10 @@ class _SparsePrefill(torch.autograd.Function):
         delta = (dout.float() * out.float()).sum(-1)
         if dlse is not None:
             delta = delta - dlse.float()
-        grid, args, consts, dq, dk, dv, dcis = backward_plan(q, k, v, cis, sel, positions, union, count, dout, lse,
-                                                             delta.contiguous(), block_size, scale, tile)
-        kernels()["backward"][grid](*args, **consts, num_warps=8)
+        launches, (dq, dk, dv, dcis) = backward_plan(q, k, v, cis, sel, positions, union, count, dout, lse,
+                                                     delta.contiguous(), block_size, scale, tile)
+        for name, grid, args, consts, warps in launches:
+            kernels()[name][grid](*args, **consts, num_warps=warps)
         return dq, dk.to(k.dtype), dv.to(v.dtype), dcis.to(ctx.cis_dtype), None, None, None, None, None
 
 
@@ -198,7 +233,7 @@ _KERNELS = None
 
 
 def kernels():
-    """{"forward", "backward"}: the @triton.jit kernels, defined on first use (importing needs no triton)."""
+    """{"forward", "dq", "dkdv"}: the @triton.jit kernels, defined on first use (importing needs no triton)."""
     global _KERNELS
     if _KERNELS is not None:
         return _KERNELS
@@ -265,13 +300,12 @@ def kernels():
         tl.store(LSE + row * sln + head, lse, mask=r_ok)
 
     @triton.jit
-    def backward_kernel(Q, K, V, CIS, SEL, POS, UNION, COUNT, DO, LSE, DELTA, DQ, GK, GV, GCIS,
-                        sqn, sqh, skl, skh, svl, svh, scl, sch, ssn, ssh, sut, suh, sdn, sdh, sln,
-                        sdkl, sdkh, sdvl, sdvh, sdcl,
-                        N, L, scale,
-                        BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, GROUP: tl.constexpr, TQ: tl.constexpr,
-                        M_P: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        HEAD_DIM_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr, IEEE: tl.constexpr):
+    def dq_kernel(Q, K, V, CIS, SEL, POS, DO, LSE, DELTA,
+                  sqn, sqh, skl, skh, svl, svh, scl, sch, ssn, ssh, sdn, sdh, sln, N, L, scale,
+                  UNION, COUNT, DQ, sut, suh,
+                  BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, GROUP: tl.constexpr, TQ: tl.constexpr,
+                  M_P: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HEAD_DIM_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr, IEEE: tl.constexpr):
         tile = tl.program_id(0)
         h = tl.program_id(1)
         r = tl.arange(0, M_P)
@@ -295,7 +329,7 @@ def kernels():
         mine = tl.load(SEL + row[:, None] * ssn + h * ssh + kk[None, :], mask=r_ok[:, None] & (kk < TOPK)[None, :],
                        other=-1)
         dq = tl.zeros([M_P, HEAD_DIM_P], tl.float32)
-        count = tl.load(COUNT + tile * tl.num_programs(1) + h)  # count is [T, Hkv] contiguous
+        count = tl.load(COUNT + tile * tl.num_programs(1) + h)
         for u in range(0, count):
             blk = tl.load(UNION + tile * sut + h * suh + u)
             member = tl.max((mine == blk).to(tl.int32), 1) > 0
@@ -307,27 +341,83 @@ def kernels():
             c = tl.load(CIS + tok * scl + h * sch, mask=t_ok, other=0.0)
             if IEEE:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            p = tl.where(ok, tl.exp(s * scale + c[None, :] - lse[:, None]), 0.0)  # [M_P, BLOCK_P]
-            if IEEE:
-                dv = tl.dot(tl.trans(p), do.to(tl.float32), input_precision="ieee")
                 dp = tl.dot(do.to(tl.float32), tl.trans(v.to(tl.float32)), input_precision="ieee")
             else:
-                dv = tl.dot(tl.trans(p.to(do.dtype)), do)
+                s = tl.dot(q, tl.trans(k))
                 dp = tl.dot(do, tl.trans(v))
+            p = tl.where(ok, tl.exp(s * scale + c[None, :] - lse[:, None]), 0.0)  # [M_P, BLOCK_P]
             ds = p * (dp - delta[:, None])  # d loss / d logit
             if IEEE:
-                dk = tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="ieee") * scale
                 dq += tl.dot(ds, k.to(tl.float32), input_precision="ieee") * scale
             else:
-                dk = tl.dot(tl.trans(ds.to(q.dtype)), q) * scale
                 dq += tl.dot(ds.to(k.dtype), k) * scale
-            tl.atomic_add(GV + tok[:, None] * sdvl + h * sdvh + e[None, :], dv, mask=t_ok[:, None] & e_ok[None, :])
-            tl.atomic_add(GK + tok[:, None] * sdkl + h * sdkh + d[None, :], dk, mask=t_ok[:, None] & d_ok[None, :])
-            tl.atomic_add(GCIS + tok * sdcl + h, tl.sum(ds, 0), mask=t_ok)
         tl.store(DQ + row[:, None] * sqn + head[:, None] * sqh + d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=r_ok[:, None] & d_ok[None, :])
 
-    _KERNELS = {"forward": forward_kernel, "backward": backward_kernel}
+    @triton.jit
+    def dkdv_kernel(Q, K, V, CIS, SEL, POS, DO, LSE, DELTA,
+                    sqn, sqh, skl, skh, svl, svh, scl, sch, ssn, ssh, sdn, sdh, sln, N, L, scale,
+                    WORK, TILES, GK, GV, GCIS, sgkl, sgkh, sgvl, sgvh, sgcl, NUM_WORK,
+                    BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, GROUP: tl.constexpr, TQ: tl.constexpr,
+                    M_P: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HEAD_DIM_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr, IEEE: tl.constexpr):
+        w = tl.program_id(0)
+        h = tl.load(WORK + w * 4, mask=w < NUM_WORK, other=0)
+        blk = tl.load(WORK + w * 4 + 1, mask=w < NUM_WORK, other=0)
+        lo = tl.load(WORK + w * 4 + 2, mask=w < NUM_WORK, other=0)
+        hi = tl.load(WORK + w * 4 + 3, mask=w < NUM_WORK, other=0)
+        r = tl.arange(0, M_P)
+        d = tl.arange(0, HEAD_DIM_P)
+        e = tl.arange(0, DV_P)
+        t = tl.arange(0, BLOCK_P)
+        kk = tl.arange(0, TOPK_P)
+        d_ok = d < HEAD_DIM
+        e_ok = e < DV
+        tok = (blk * BLOCK + t).to(tl.int64)
+        t_ok = (t < BLOCK) & (tok < L)
+        k = tl.load(K + tok[:, None] * skl + h * skh + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + tok[:, None] * svl + h * svh + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0)
+        c = tl.load(CIS + tok * scl + h * sch, mask=t_ok, other=0.0)
+        dk = tl.zeros([BLOCK_P, HEAD_DIM_P], tl.float32)
+        dv = tl.zeros([BLOCK_P, DV_P], tl.float32)
+        dc = tl.zeros([BLOCK_P], tl.float32)
+        for i in range(lo, hi):
+            tile = tl.load(TILES + i)
+            row = (tile * TQ + r // GROUP).to(tl.int64)
+            head = h * GROUP + r % GROUP
+            r_ok = (r < TQ * GROUP) & (row < N)
+            q = tl.load(Q + row[:, None] * sqn + head[:, None] * sqh + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            do = tl.load(DO + row[:, None] * sdn + head[:, None] * sdh + e[None, :],
+                         mask=r_ok[:, None] & e_ok[None, :], other=0.0)
+            lse = tl.load(LSE + row * sln + head, mask=r_ok, other=float("-inf"))
+            lse = tl.where(lse == float("-inf"), 0.0, lse)
+            delta = tl.load(DELTA + row * sln + head, mask=r_ok, other=0.0)
+            pos = tl.load(POS + row, mask=r_ok, other=-1)
+            mine = tl.load(SEL + row[:, None] * ssn + h * ssh + kk[None, :],
+                           mask=r_ok[:, None] & (kk < TOPK)[None, :], other=-1)
+            member = tl.max((mine == blk).to(tl.int32), 1) > 0
+            ok = member[:, None] & (tok[None, :] <= pos[:, None]) & t_ok[None, :]
+            if IEEE:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                dp = tl.dot(do.to(tl.float32), tl.trans(v.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+                dp = tl.dot(do, tl.trans(v))
+            p = tl.where(ok, tl.exp(s * scale + c[None, :] - lse[:, None]), 0.0)  # [M_P, BLOCK_P]
+            ds = p * (dp - delta[:, None])
+            if IEEE:
+                dv += tl.dot(tl.trans(p), do.to(tl.float32), input_precision="ieee")
+                dk += tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="ieee")
+            else:
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dc += tl.sum(ds, 0)
+        w_ok = w < NUM_WORK
+        tl.atomic_add(GV + tok[:, None] * sgvl + h * sgvh + e[None, :], dv, mask=w_ok & t_ok[:, None] & e_ok[None, :])
+        tl.atomic_add(GK + tok[:, None] * sgkl + h * sgkh + d[None, :], dk * scale,
+                      mask=w_ok & t_ok[:, None] & d_ok[None, :])
+        tl.atomic_add(GCIS + tok * sgcl + h, dc, mask=w_ok & t_ok)
+
+    _KERNELS = {"forward": forward_kernel, "dq": dq_kernel, "dkdv": dkdv_kernel}
     return _KERNELS

@@ -110,9 +110,12 @@ def sparse_prefill_case(arch, shape):
     grid, args, consts, out, lse = sparse_prefill.forward_plan(q, k, v, cis, sel, pos, union, count, block, 0.1, tile)
     fwd = compile_kernel(sparse_prefill.kernels()["forward"], args, consts, arch, num_warps=4)
     delta = torch.zeros(n, hq)
-    _, args, consts, *_ = sparse_prefill.backward_plan(q, k, v, cis, sel, pos, union, count, out, lse, delta,
-                                                        block, 0.1, tile)
-    bwd = compile_kernel(sparse_prefill.kernels()["backward"], args, consts, arch, num_warps=8)
+    union[:, :, 1] = 1
+    count.fill_(2)
+    launches, _ = sparse_prefill.backward_plan(q, k, v, cis, sel, pos, union, count, out, lse, delta, block, 0.1, tile)
+    assert [name for name, *_ in launches] == ["dq", "dkdv"]
+    for name, _, args, consts, warps in launches:
+        bwd = compile_kernel(sparse_prefill.kernels()[name], args, consts, arch, num_warps=warps)
     assert fwd.metadata.shared <= SHARED_LIMIT[arch] and bwd.metadata.shared <= SHARED_LIMIT[arch]
 
 
