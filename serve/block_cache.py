@@ -18,8 +18,9 @@ A group whose resident blocks went stale (tokens written other than by a decode 
 prefill chunk) drops those blocks before the diff, so they are recalled.
 
 Counters (``stats``): per layer, selected blocks, hits, misses (= recalled items), recalled bytes,
-and the most misses one (request, KV head) had in a "warm" step (the group's previous step was a
-decode step): the locality bound says at most query_blocks + 1 for heads with A != 0.
+and for "warm" steps (the group's previous step was a decode step, so the cache is in steady
+state) selected blocks, hits and the most misses one (request, KV head) had: the locality bound
+says at most query_blocks + 1 for heads with A != 0.
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ class DeviceBlockCache:
         self.warm = [[False] * num_groups for _ in range(num_layers)]
         self.item_bytes = block_size * (head_dim * self.k[0].element_size() + v_head_dim * self.v[0].element_size() + 4)
         self._lock = threading.Lock()
+        # warm_*: steps whose group decoded at the previous step too (the cache is in steady state)
         self.stats = {key: [0] * num_layers for key in
-                      ("selected", "hits", "misses", "recalled_bytes", "max_warm_misses", "steps")}
+                      ("selected", "hits", "misses", "recalled_bytes", "steps",
+                       "warm_selected", "warm_hits", "max_warm_misses")}
 
     def group_of(self, row: int) -> int:
         group = row - 1
@@ -159,6 +162,8 @@ class DeviceBlockCache:
         s["recalled_bytes"][layer] += int(misses.sum()) * self.item_bytes
         warm_t = torch.tensor(warm, device=misses.device)
         if bool(warm_t.any()):
+            s["warm_selected"][layer] += int((wanted[warm_t] >= 0).sum())
+            s["warm_hits"][layer] += int(hit[warm_t].sum())
             s["max_warm_misses"][layer] = max(s["max_warm_misses"][layer], int(misses[warm_t].max()))
 
 

@@ -44,7 +44,7 @@ class OffloadKV:
 
     def _pages(self, row, blocks: torch.Tensor) -> torch.Tensor:
         """Host page of each block of a request (-1 blocks -> -1)."""
-        first = self.req_to_token[row, (blocks.clamp(min=0) * self.block)].long()
+        first = self.req_to_token[row].index_select(0, blocks.clamp(min=0) * self.block).long()
         return torch.where(blocks >= 0, first // self.block, -1)
 
     def gather_blocks(self, i: int, blocks: torch.Tensor, block_size: int):
@@ -60,7 +60,8 @@ class OffloadKV:
 
     def resolve(self, blocks: torch.Tensor, lengths: torch.Tensor, block_size: int):
         table_rows = torch.tensor(self.rows, device=self.req_to_token.device)
-        where = table_rows[:, None, None] * self.req_to_token.shape[1] + blocks.clamp(min=0).to(table_rows.device) * self.block
+        first_token = blocks.clamp(min=0).to(table_rows.device) * self.block
+        where = table_rows[:, None, None] * self.req_to_token.shape[1] + first_token
         first = self.req_to_token.reshape(-1).index_select(0, where.flatten()).view(blocks.shape).long()
         pages = torch.where(blocks >= 0, first.to(blocks.device) // self.block, -1)
         return self.cache.resolve(self.layer_id, self.rows, blocks, self.lengths, pages, self.host, self.new_tokens)

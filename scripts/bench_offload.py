@@ -1,0 +1,274 @@
+"""KV offloading benchmarks of the "nosa" SGLang backend ($NOSA_OFFLOAD=1), each side by side in one run.
+
+    .venv/bin/python scripts/bench_offload.py [--quick] [--parts hitrate capacity decode] [--out results/offload.json]
+
+- ``hitrate``: recall traffic and hit rate on the same long prompts and the same device slots
+  (exactly the budget per request and KV head), NOSA with its fine-tuned eviction heads
+  (``--checkpoint``, default the quickstart's runs/tiny/nosa) vs the same weights with A = 0
+  (training-free, InfLLM-v2-style selection). Prompts are the checkpoint's synthetic tasks at its
+  training length and 2x, 4x; counted over warm decode steps (the cache in steady state).
+- ``capacity``: a fixed device KV budget (``--device-tokens``, default 8192): the longest context
+  torch_native serves with that many KV tokens (its pool is the device memory) vs the nosa backend
+  with offloading (host pool ``--host-tokens``), which serves a ``--capacity-context`` prompt
+  (default 131072, --quick 32768). Tiny random Llama (bench_serve's), released NosaConfig.
+- ``decode``: decode step time with offloading on vs off at ``--contexts`` (default 32768), batch 4,
+  bench_serve's streamed measurement (median interval between streamed tokens while the whole
+  batch decodes). Recall is not overlapped with compute yet.
+Not a test: nothing is asserted. Writes JSON (and prints each row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+def _server(ckpt, args, log, env=None, threads=None):
+    from nosa.serve.process import ServerProcess
+
+    env = dict(env or {})
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return ServerProcess(ckpt, ["--skip-server-warmup", "--dtype", "float32", "--mem-fraction-static", "0.3", *args],
+                         log, env=env).wait_ready(timeout=600)
+
+
+def _offload_env(host, device, stats):
+    return {"NOSA_OFFLOAD": "1", "NOSA_HOST_KV_TOKENS": str(host), "NOSA_DEVICE_KV_TOKENS": str(device),
+            "NOSA_SERVE_STATS_FILE": stats}
+
+
+def _counters(stats_file: str) -> dict:
+    with open(stats_file) as f:
+        off = json.load(f)["offload"]
+    total = {k: sum(v) for k, v in off.items() if k != "max_warm_misses"}
+    return {
+        "warm_hit_rate": round(total["warm_hits"] / max(total["warm_selected"], 1), 4),
+        "hit_rate_all_steps": round(total["hits"] / max(total["selected"], 1), 4),
+        "recalled_blocks": total["misses"], "recalled_bytes": total["recalled_bytes"],
+        "max_warm_misses_per_head": max(off["max_warm_misses"]), "layer_steps": total["steps"],
+        "warm_selected": total["warm_selected"], "warm_misses": total["warm_selected"] - total["warm_hits"],
+    }
+
+
+# ---- hit rate: trained eviction heads vs A = 0 ------------------------------------------------
+def _zero_heads_copy(ckpt: str, dest: str) -> str:
+    """The checkpoint with every eviction head's A set to 0 (training-free selection)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ckpt, dest)
+    for name in os.listdir(dest):
+        if name.endswith(".safetensors"):
+            tensors = load_file(os.path.join(dest, name))
+            for key in tensors:
+                if key.endswith(".nosa_evict.scale"):
+                    tensors[key] = torch.zeros_like(tensors[key])
+            save_file(tensors, os.path.join(dest, name), metadata={"format": "pt"})
+    return dest
+
+
+def _task_prompts(ckpt: str, length: int, count: int, seed: int) -> list[list[int]]:
+    """Synthetic examples of the run's own tasks (nosa_train.json) at ``length`` tokens, up to the answer."""
+    from transformers import AutoTokenizer
+
+    from nosa.train.synthetic import make_example
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    run = os.path.join(ckpt, "nosa_train.json")
+    tasks = ["passkey", "mqar"]
+    if os.path.exists(run):
+        with open(run) as f:
+            tasks = (json.load(f).get("data", {}).get("synthetic") or {}).get("tasks") or tasks
+    prompts = []
+    for i in range(count):
+        ex = make_example(tasks[i % len(tasks)], length, seed + i, measure=lambda s: len(tok(s)["input_ids"]))
+        prompts.append(tok(ex["text"][: ex["targets"][0][0]])["input_ids"])
+    return prompts
+
+
+def bench_hitrate(args, work) -> dict:
+    from nosa.hf import nosa_config_of
+
+    with open(os.path.join(args.checkpoint, "config.json")) as f:
+        cfg = nosa_config_of(json.load(f), source=args.checkpoint)
+    if cfg is None:
+        raise SystemExit(f"{args.checkpoint} is not a NOSA checkpoint (no 'nosa' section): run the quickstart first")
+    train_len = args.train_length
+    lengths = [train_len, 2 * train_len] if args.quick else [train_len, 2 * train_len, 4 * train_len]
+    variants = {"nosa": args.checkpoint, "a0": _zero_heads_copy(args.checkpoint, os.path.join(work, "a0"))}
+    rows = []
+    for name, ckpt in variants.items():
+        stats = os.path.join(work, f"{name}_stats.json")
+        budget = cfg.budget_tokens
+        server = _server(ckpt, ["--attention-backend", "nosa", "--page-size", str(cfg.block_size),
+                                "--context-length", str(max(lengths) + args.new_tokens + 64)],
+                         os.path.join(work, f"{name}.log"),
+                         _offload_env(8 * max(lengths) + 4096, args.batch * budget, stats), args.threads)
+        try:
+            for length in lengths:
+                before = _counters(stats) if os.path.exists(stats) else None
+                for p in _task_prompts(ckpt, length, args.prompts, seed=1000 + length):
+                    server.generate(p, args.new_tokens)
+                time.sleep(1.0)
+                after = _counters(stats)
+                row = {"selection": name, "context": length, "blocks": cfg.num_blocks(length),
+                       "budget_blocks": cfg.topk_blocks}
+                for key in ("warm_selected", "warm_misses", "recalled_blocks", "recalled_bytes"):
+                    row[key] = after[key] - (before[key] if before else 0)
+                row["warm_hit_rate"] = round(1 - row["warm_misses"] / max(row["warm_selected"], 1), 4)
+                row["max_warm_misses_per_head"] = after["max_warm_misses_per_head"]
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        finally:
+            server.stop()
+    summary = {}
+    for length in lengths:
+        by = {r["selection"]: r for r in rows if r["context"] == length}
+        summary[str(length)] = {
+            "hit_rate_nosa": by["nosa"]["warm_hit_rate"], "hit_rate_a0": by["a0"]["warm_hit_rate"],
+            "recalled_bytes_nosa_over_a0": round(by["nosa"]["warm_misses"] / max(by["a0"]["warm_misses"], 1), 3),
+        }
+    return {"checkpoint": args.checkpoint, "nosa_config": cfg.to_dict(), "rows": rows, "summary": summary}
+
+
+# ---- capacity ---------------------------------------------------------------------------------
+def bench_capacity(args, work, ckpt) -> dict:
+    import torch
+
+    device = args.device_tokens
+    context = 32768 if args.quick else args.capacity_context
+    g = torch.Generator().manual_seed(0)
+    out = {"device_kv_tokens": device}
+    # torch_native: its KV pool is the device memory; the longest prompt it accepts
+    server = _server(ckpt, ["--attention-backend", "torch_native", "--max-total-tokens", str(device),
+                            "--context-length", str(context + 64)], os.path.join(work, "native_cap.log"),
+                     threads=args.threads)
+    try:
+        fits = device - args.new_tokens - 8
+        ok = server.post("/generate", {"input_ids": torch.randint(0, 256, (fits,), generator=g).tolist(),
+                                       "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 0}})
+        over = server.post("/generate", {"input_ids": torch.randint(0, 256, (device + 1,), generator=g).tolist(),
+                                         "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 0}})
+        out["torch_native"] = {"served_context": fits if ok[0] == 200 else None, "status_at_budget_plus_1": over[0],
+                               "refusal": str(over[1])[:200]}
+    finally:
+        server.stop()
+    stats = os.path.join(work, "cap_stats.json")
+    server = _server(ckpt, ["--attention-backend", "nosa", "--page-size", "64", "--context-length", str(context + 64),
+                            "--chunked-prefill-size", "4096"], os.path.join(work, "nosa_cap.log"),
+                     _offload_env(context + 4096, device, stats), args.threads)
+    try:
+        prompt = torch.randint(0, 256, (context - args.new_tokens - 8,), generator=g).tolist()
+        start = time.perf_counter()
+        status, body = server.post("/generate", {"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}}, timeout=7200)
+        seconds = time.perf_counter() - start
+        out["nosa_offload"] = {"served_context": len(prompt) + args.new_tokens if status == 200 else None,
+                               "status": status, "seconds": round(seconds, 1),
+                               "generated": len(body["output_ids"]) if status == 200 else str(body)[:200],
+                               **_counters(stats)}
+    finally:
+        server.stop()
+    if out["torch_native"]["served_context"] and out["nosa_offload"]["served_context"]:
+        out["capacity_ratio"] = round(out["nosa_offload"]["served_context"] / out["torch_native"]["served_context"], 2)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+# ---- decode step, offloading on vs off ---------------------------------------------------------
+def bench_decode(args, work, ckpt) -> dict:
+    from bench_serve import measure
+
+    from nosa.config import NosaConfig
+
+    cfg = NosaConfig()
+    contexts = [8192] if args.quick else args.contexts
+    max_ctx = max(contexts) + args.new_tokens + 16
+    common = ["--attention-backend", "nosa", "--chunked-prefill-size", "-1", "--context-length", str(max_ctx),
+              "--max-running-requests", str(args.batch)]
+    rows = []
+    for mode in ("off", "on"):
+        stats = os.path.join(work, f"decode_{mode}_stats.json")
+        if mode == "off":
+            flags, env = ["--max-total-tokens", str(args.batch * max_ctx + 1024)], {}
+        else:
+            flags = ["--page-size", str(cfg.block_size)]
+            env = _offload_env(args.batch * max_ctx + 1024, args.batch * cfg.budget_tokens, stats)
+        server = _server(ckpt, [*common, *flags], os.path.join(work, f"decode_{mode}.log"), env, args.threads)
+        try:
+            measure(server, 512, args.batch, 16)  # warm-up
+            for context in contexts:
+                row = {"offload": mode, **measure(server, context, args.batch, args.new_tokens)}
+                if mode == "on":
+                    row.update(_counters(stats))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        finally:
+            server.stop()
+    ratio = {}
+    for context in contexts:
+        by = {r["offload"]: r for r in rows if r["context"] == context}
+        ratio[str(context)] = round(by["off"]["ms_per_decode_step"] / by["on"]["ms_per_decode_step"], 3)
+    return {"rows": rows, "speed_on_over_off": ratio}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", nargs="+", default=["hitrate", "capacity", "decode"],
+                    choices=["hitrate", "capacity", "decode"])
+    ap.add_argument("--checkpoint", default=os.path.join(ROOT, "runs", "tiny", "nosa"),
+                    help="a NOSA checkpoint with fine-tuned eviction heads (hitrate)")
+    ap.add_argument("--train-length", type=int, default=None, help="its training length (default: from the run)")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per length (hitrate)")
+    ap.add_argument("--device-tokens", type=int, default=8192, help="device KV budget (capacity)")
+    ap.add_argument("--capacity-context", type=int, default=131072)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[32768], help="decode part")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the servers")
+    ap.add_argument("--quick", action="store_true", help="hitrate at 1x/2x, capacity at 32K, decode at 8K")
+    ap.add_argument("--out", default=os.path.join(ROOT, "results", "offload.json"))
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.quick:
+        args.new_tokens = min(args.new_tokens, 32)
+    if "hitrate" in args.parts and args.train_length is None:
+        run = os.path.join(args.checkpoint, "nosa_train.json")
+        args.train_length = 2048
+        if os.path.exists(run):
+            with open(run) as f:
+                args.train_length = int(json.load(f).get("seq_len", 2048))
+
+    from bench_serve import build_model
+
+    work = tempfile.mkdtemp(prefix="nosa_offload_")
+    report = {"command": " ".join(sys.argv), "device": "cpu", "cpus": os.cpu_count(), "threads": args.threads}
+    ckpt = None
+    if {"capacity", "decode"} & set(args.parts):
+        ckpt = os.path.join(work, "tiny-llama")
+        build_model(ckpt)
+        report["model"] = "llama 2 layers, hidden 256, GQA 8/2, fp32, random weights (bench_serve's)"
+    if "hitrate" in args.parts:
+        report["hitrate"] = bench_hitrate(args, work)
+    if "capacity" in args.parts:
+        report["capacity"] = bench_capacity(args, work, ckpt)
+    if "decode" in args.parts:
+        report["decode"] = bench_decode(args, work, ckpt)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
