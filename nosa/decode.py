@@ -236,11 +236,32 @@ def decode_attend(
         padded = torch.nn.functional.pad(sel, (0, width - sel.shape[-1]), value=-1)
         blocks = torch.where(dense[:, None, None], every, padded)
     found = kv.resolve(blocks, lengths, cfg.block_size)
-    cis = found.cis.index_select(0, found.rows.flatten()).view_as(found.rows).float()
-    cis = torch.where(dense[:, None, None], 0.0, cis)
-    bias = torch.where(found.valid, cis, NEG_INF)  # [R, Hkv, T]
-    out, lse = attend_gathered(q, found.k, found.v, found.rows, bias, scale)
+    fast = None if bool(dense.any()) else _kernel_attend(q, found, cfg.block_size, scale)
+    if fast is not None:
+        out, lse = fast
+    else:
+        cis = found.cis.index_select(0, found.rows.flatten()).view_as(found.rows).float()
+        cis = torch.where(dense[:, None, None], 0.0, cis)
+        bias = torch.where(found.valid, cis, NEG_INF)  # [R, Hkv, T]
+        out, lse = attend_gathered(q, found.k, found.v, found.rows, bias, scale)
     return (out, lse) if return_lse else out
+
+
+def _kernel_attend(q, found, block_size: int, scale: float):
+    """(out, lse) from the GPU kernel that fits the resolved blocks (nosa.ops picks Triton on CUDA,
+    or under NOSA_KERNELS=triton), or None to use the torch path (CPU; batches with dense rows,
+    whose attention has no exp(cis) weighting, which the kernels always apply)."""
+    from nosa import ops
+
+    if not ops.use_kernels(q):
+        return None
+    if found.slots is not None:
+        return ops.slot_decode(q, *found.items, found.slots, found.fill, scale)
+    if found.paged is not None:
+        k_pool, v_pool, cis_pool, table, blocks, lengths = found.paged
+        return ops.paged_sparse_decode(q, k_pool, v_pool, cis_pool, table.int(), blocks.int(), lengths.int(),
+                                       block_size, scale)
+    return None
 
 
 class _Growable:

@@ -41,6 +41,15 @@ class DeviceRows:
     cis: torch.Tensor
     rows: torch.Tensor
     valid: torch.Tensor
+    # The same blocks in the form the GPU kernels take (nosa.ops), when the view has one:
+    # a block cache: items (k [S, B, D], v, cis [S, B]), slots [R, Hkv, W] (-1 = none) and fill
+    # [R, Hkv, W] (valid tokens from the block start) -> nosa.ops.slot_decode;
+    # a token-slot pool: paged = (k_pool, v_pool, cis_pool, token_table [R, T], blocks [R, Hkv, W],
+    # lengths [R]) -> nosa.ops.paged_sparse_decode.
+    items: tuple | None = None
+    slots: torch.Tensor | None = None
+    fill: torch.Tensor | None = None
+    paged: tuple | None = None
 
 
 class ContiguousKV:
@@ -102,7 +111,10 @@ class PagedKV:
         # slot_table[table_rows[i], tokens[i]] for every i, one index_select (advanced indexing is slower)
         where = self.table_rows.to(tokens.device)[:, None, None] * self.slot_table.shape[1] + tokens
         slots = self.slot_table.reshape(-1).index_select(0, where.flatten()).view_as(tokens).long()
-        return _token_rows(self.k_pool, self.v_pool, self.cis_pool, slots, valid)
+        found = _token_rows(self.k_pool, self.v_pool, self.cis_pool, slots, valid)
+        found.paged = (self.k_pool, self.v_pool, self.cis_pool,
+                       self.slot_table.index_select(0, self.table_rows.to(self.slot_table.device)), blocks, lengths)
+        return found
 
     def gather_blocks(self, i: int, blocks: torch.Tensor, block_size: int):
         tokens = _block_token_ids(blocks, block_size).clamp(max=self.lengths[i] - 1)

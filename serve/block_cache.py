@@ -133,9 +133,12 @@ class DeviceBlockCache:
         positions = (wanted.clamp(min=0)[..., None] * self.block + offsets).flatten(-2)
         length_t = torch.tensor(lengths, device=wanted.device)[:, None, None]
         valid = (wanted >= 0).repeat_interleave(self.block, dim=-1) & (positions < length_t)
+        fill = (length_t - wanted * self.block).clamp(0, self.block).int()
         return DeviceRows(self.k[layer].view(-1, self.k[layer].shape[-1]),
                           self.v[layer].view(-1, self.v[layer].shape[-1]),
-                          self.cis[layer].view(-1), token_rows, valid)
+                          self.cis[layer].view(-1), token_rows, valid,
+                          items=(self.k[layer], self.v[layer], self.cis[layer]),
+                          slots=torch.where(wanted >= 0, item, -1), fill=torch.where(wanted >= 0, fill, 0))
 
     def _write_tokens(self, layer, wanted, item, lengths, new_tokens) -> None:
         from nosa import ops

@@ -118,3 +118,26 @@ def test_prefill_through_a_view_equals_nosa_prefill(dense_len):
         torch.testing.assert_close(out, want_out[done:stop], rtol=1e-5, atol=2e-6)
         done = stop
     assert state.length == length
+
+
+def test_decode_through_the_kernels_equals_the_torch_path(monkeypatch):
+    """On CUDA decode_attend hands the resolved blocks to nosa.ops' kernels (paged token pool
+    here; the block cache in tests/serve/test_block_cache.py); under the Triton interpreter they
+    give the torch path's outputs and lse."""
+    from nosa.decode import decode_attend
+
+    cfg = NosaConfig.tiny(dense_len=0)
+    length = 120
+    q, k, v, cis = _seq(length, seed=8)
+    slots = torch.randperm(length + 10)[:length]
+    k_pool, v_pool, c_pool = torch.zeros(length + 10, 2, 8), torch.zeros(length + 10, 2, 8), torch.zeros(length + 10, 2)
+    k_pool[slots], v_pool[slots], c_pool[slots] = k, v, cis
+    kv = PagedKV(k_pool, v_pool, c_pool, slots[None], torch.tensor([0]), [length])
+    results = []
+    for kernels in ("reference", "triton"):
+        monkeypatch.setenv("NOSA_KERNELS", kernels)
+        state = NosaDecodeState(cfg, 2, 8)
+        state.append(kv)
+        results.append(decode_attend([state], q[-1:], kv, 0.35, return_lse=True))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(results[1][1].float(), results[0][1].float(), rtol=1e-4, atol=1e-5)

@@ -140,3 +140,23 @@ def test_settings_reject_what_cannot_work():
         OffloadSettings(host_tokens=4096, device_tokens=100).validate(cfg, page_size=16)
     with pytest.raises(ValueError, match="dense_len"):
         ok.validate(NosaConfig.tiny(dense_len=1000), page_size=16)
+
+
+def test_resolved_slots_give_the_kernel_the_same_attention_as_the_rows(monkeypatch):
+    """The (items, slots, fill) form of a resolve, which nosa.ops.slot_decode reads on CUDA, is the
+    same set of keys as its rows: equal attention (reference and the Triton kernel, interpreted)."""
+    from nosa import ops
+    from nosa.attention import NEG_INF, attend_gathered
+
+    cache, host = _cache(groups=2, ns=3), _host()
+    wanted = torch.tensor([[[0, 2, 1], [2, -1, 0]], [[3, 1, -1], [0, 1, 3]]])
+    pages = torch.where(wanted >= 0, wanted + 5, -1)
+    found = cache.resolve(0, [1, 2], wanted, [11, 14], pages, host)
+    q = torch.randn(2, 4, D)
+    bias = torch.where(found.valid, found.cis[found.rows], NEG_INF)
+    want = attend_gathered(q, found.k, found.v, found.rows, bias, 0.5)
+    for kernels in ("reference", "triton"):
+        monkeypatch.setenv("NOSA_KERNELS", kernels)
+        got = ops.slot_decode(q, *found.items, found.slots, found.fill, 0.5)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[1], want[1].float(), rtol=1e-4, atol=1e-5)
