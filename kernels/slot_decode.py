@@ -75,10 +75,13 @@ def slot_decode_reference(q, k_dev, v_dev, cis_dev, slots, fill, scale: float):
         bias = torch.where(valid[i].view(hkv, ns * block), c, float("-inf"))
         qg = q[i].to(dt).view(hkv, hq // hkv, d)
         logits = torch.baddbmm(bias[:, None, :], qg, k.transpose(1, 2), alpha=scale)  # [Hkv, G, T]
-        lse = torch.logsumexp(logits, dim=-1)
-        p = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])  # 0 where nothing valid
-        outs.append(torch.bmm(p, v).view(hq, dv))
-        lses.append(lse.view(hq))
+        top = logits.amax(dim=-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, 0.0)
+        p = torch.exp_(logits.sub_(top))  # in place: one pass over the logits; 0 where nothing is valid
+        total = p.sum(dim=-1, keepdim=True)
+        safe = torch.where(total > 0, total, 1.0)
+        outs.append((torch.bmm(p, v) / safe).view(hq, dv))
+        lses.append(torch.where(total > 0, top + torch.log(safe), float("-inf")).view(hq))
     return torch.stack(outs).to(q.dtype), torch.stack(lses).float()
 
 

@@ -157,15 +157,18 @@ def prefill(context, hq, hkv, d, block, topk, dtype, device, repeats, g):
         with torch.no_grad():
             ops.sparse_prefill_attention(q, k, v, cis, sel, positions, block, d**-0.5)
 
-    qd, kd, vd = (x.detach().transpose(0, 1)[None].requires_grad_() for x in (q, k, v))
+    # dense baseline: K/V heads repeated for the group (leaves), so SDPA takes its flash kernel
+    group = hq // hkv
+    qd = q.detach().transpose(0, 1)[None].requires_grad_()
+    kd, vd = (x.detach().repeat_interleave(group, dim=1).transpose(0, 1)[None].requires_grad_() for x in (k, v))
     dd = dout.transpose(0, 1)[None]
 
     def dense():
-        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True).backward(dd)
+        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True).backward(dd)
 
     def dense_fwd():
         with torch.no_grad():
-            F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+            F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
 
     row = {"context": context, "topk_blocks": topk, "nosa_backend": ops.backend(q),
            "dense_fwd_s": timed(dense_fwd, repeats, device), "nosa_fwd_s": timed(sparse_fwd, repeats, device),
@@ -179,6 +182,16 @@ def prefill(context, hq, hkv, d, block, topk, dtype, device, repeats, g):
             want = sparse_prefill_reference(q[rows], k, v, cis, sel[rows], positions[rows], block, d**-0.5)[0]
         row["fwd_max_abs_err_vs_ref"] = (out.float() - want.float()).abs().max().item()
     return row
+
+
+def guarded(fn, key: dict, **kwargs) -> dict:
+    """fn(**key, **kwargs), or the error it raised (one failing size must not lose the others)."""
+    try:
+        return fn(**key, **kwargs)
+    except Exception as e:  # e.g. out of memory at the largest size: record it and go on
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return dict(key, error=repr(e)[:500])
 
 
 def main() -> None:
@@ -209,12 +222,14 @@ def main() -> None:
         if section in ("decode_slots", "decode_paged"):
             fn = decode_slots if section == "decode_slots" else decode_paged
             for context, batch in decode_grid:
-                rows.append(fn(context, batch, device=device, repeats=repeats, g=g, **shape))
+                rows.append(guarded(fn, dict(context=context, batch=batch), device=device, repeats=repeats, g=g,
+                                    **shape))
                 print(section, json.dumps(rows[-1]), flush=True)
         elif section == "prefill":
             pshape = dict(shape, topk=8) if device == "cpu" else shape  # CPU: the reference gathers per row
             for context in prefill_grid:
-                rows.append(prefill(context, device=device, repeats=max(2, repeats // 4), g=g, **pshape))
+                rows.append(guarded(prefill, dict(context=context), device=device, repeats=max(2, repeats // 4), g=g,
+                                    **pshape))
                 print(section, json.dumps(rows[-1]), flush=True)
         else:
             raise SystemExit(f"--only: unknown section {section!r} (decode_slots, decode_paged, prefill)")

@@ -118,7 +118,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (0: torch's default). On a CPU shared with other busy "
+                             "processes, 1 avoids OpenMP regions waiting on a descheduled thread")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cuda = args.device == "cuda"
     g = torch.Generator().manual_seed(0)
     # misses per layer and step: (query_blocks + 1) x Hkv x batch, e.g. 16 x 8 x {2, 8, 16}
@@ -132,7 +137,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     result = {
         "device": torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "block": args.block,
+        "threads": torch.get_num_threads(), "load_average_1min": os.getloadavg()[0], "torch": torch.__version__,
+        "block": args.block,
         "head_dim": args.head_dim, "dtype": "bfloat16", "host_items": host_items,
         "link_gbps": link_gbps(cuda, repeats), "rows": rows,
         "targets": {"batched_over_per_block": 4.0, "batched_fraction_of_one_copy": 0.8},
