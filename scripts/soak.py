@@ -387,6 +387,7 @@ def main(argv=None) -> int:
     env = parse_env(args.env)
     work = tempfile.mkdtemp(prefix="nosa-soak-")
     env.setdefault("NOSA_SERVE_STATS_FILE", os.path.join(work, "stats.json"))
+    env.setdefault("OMP_NUM_THREADS", "1")  # the clients share the machine: no oversubscribed torch threads
     model = args.model_path or build_checkpoint(os.path.join(work, "ckpt"), mode["context"])
     with open(os.path.join(model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
@@ -400,27 +401,39 @@ def main(argv=None) -> int:
               "server_args": server_args, "env": env, "load": mode, "vocab_size": vocab, "tokenizer_adds_bos": bos}
     server = ServerProcess(model, server_args, os.path.join(work, "server.log"), env=env)
     t_start = time.time()
+    phases = report["phase_seconds"] = {}
+
+    def phase(name: str, since: list = [t_start]) -> None:  # noqa: B006  (the clock of the previous phase)
+        now = time.time()
+        phases[name] = round(now - since[0], 1)
+        since[0] = now
+
     try:
         server.wait_ready()
+        phase("start-up")
         client = Client(server.port)
         alive = lambda: server.proc.poll() is None  # noqa: E731
         before = probes(client, failures)
         report["rss_mb_start"] = tree_rss_mb(server.proc.pid)
         report["malformed_first"] = check_malformed(client, bad, vocab, failures)
+        phase("probes and malformed list")
         load = Load(client, bad, mode, args.seed)
         seconds = load.run(alive)
         failures.extend(load.failures)
+        phase("load")
         report["load_seconds"] = round(seconds, 1)
         report["requests"] = load.counts
         report["requests_total"] = sum(sum(v.values()) for v in load.counts.values())
         report["latency_s"] = {a: {"median": round(statistics.median(v), 3), "max": round(max(v), 3)}
                                for a, v in load.latency.items()}
         report["burst"] = burst(client, failures) if alive() else None
+        phase("burst")
         report["malformed_last"] = check_malformed(client, bad, vocab, failures) if alive() else None
         report["idle_stats"] = idle_counters(env["NOSA_SERVE_STATS_FILE"], failures) if alive() else None
         if report["idle_stats"] is None and alive():
             report["idle_stats_note"] = "no NOSA_SERVE_STATS_FILE written (not the nosa backend?)"
         after = probes(client, failures) if alive() else []
+        phase("malformed list, idle check, probes")
         report["probes_identical"] = before == after
         if before != after:
             failures.append(f"probe outputs changed: before {before}, after {after}")
