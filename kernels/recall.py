@@ -134,9 +134,16 @@ def copy_items_triton(dst, src, dst_idx, src_idx) -> None:
     """One launch per MAX_PAIRS pairs. CUDA tensors (src or dst may be pinned host memory), or CPU
     tensors under TRITON_INTERPRET=1."""
     _check(dst, src, dst_idx, src_idx)
-    for name, idx in (("dst_idx", dst_idx), ("src_idx", src_idx)):
-        if not idx.is_contiguous():
-            raise ValueError(f"copy_items: {name} must be contiguous")
+    cuda = next((t.device for t in (*dst, *src) if t.is_cuda), None)
+    if cuda is not None:
+        for i, (d, s) in enumerate(zip(dst, src)):
+            for name, t in (("dst", d), ("src", s)):
+                if not t.is_cuda and not t.is_pinned():
+                    raise ValueError(f"copy_items: pair {i}: {name} is pageable host memory; the kernel reads "
+                                     "host memory through UVA, which needs pinned (or cudaHostRegister-ed) memory")
+        # index lists made next to a host pool: the kernel reads them on the device
+        dst_idx, src_idx = dst_idx.to(cuda, non_blocking=True), src_idx.to(cuda, non_blocking=True)
+    dst_idx, src_idx = dst_idx.contiguous(), src_idx.contiguous()
     if src_idx.numel() == 0:
         return
     for lo in range(0, len(dst), MAX_PAIRS):

@@ -15,6 +15,7 @@ ValueError naming the argument.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -47,13 +48,15 @@ def copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx
     Items are along dim 0 (e.g. k_dev [S, B, D] <- k_host [P*Hkv, B, D], cis_dev [S, B] <- cis_host
     [P*Hkv, B]); dst_idx, src_idx [M] int64, padded with -1. CUDA: one Triton launch for all pairs,
     src or dst may be pinned host memory. CPU: index_select / index_copy_ through preallocated,
-    cache-resident staging (nosa.kernels.recall.ItemCopier, one kept per item layout)."""
+    cache-resident staging (nosa.kernels.recall.ItemCopier, one kept per item layout and thread).
+    On CUDA, host tensors must be pinned; index lists may be on the host (they are moved)."""
     from nosa.kernels import recall
 
     if backend(*dst, *src) == "triton":
         recall.copy_items_triton(dst, src, dst_idx, src_idx)
         return
-    key = tuple((tuple(t.shape[1:]), t.dtype) for t in dst)
+    # one copier (staging buffers) per item layout and thread: staging must not be shared by two calls
+    key = (threading.get_ident(), *((tuple(t.shape[1:]), t.dtype) for t in dst))
     copier = _COPIERS.get(key)
     if copier is None:
         copier = _COPIERS[key] = recall.ItemCopier(dst)

@@ -138,3 +138,7 @@ def test_recall_from_pinned_host_memory():
     copy_items_triton(back, dev, to_host, from_dev)
     torch.cuda.synchronize()
     assert torch.equal(back[0][15], items[0][15]) and torch.equal(back[2][8], items[2][8])
+    copy_items_triton(back, dev, to_host.cpu(), from_dev.cpu())  # host index lists are moved to the GPU
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="pageable"):
+        copy_items_triton(dev, [t.clone() for t in items], dst_idx, src_idx)  # clone() is not pinned
