@@ -73,6 +73,13 @@ def nosa_prefill(
             sels.append(select_blocks(qs, evict, positions, cfg))
     selection = torch.cat(sels)
     start = dense_rows
+    from nosa import ops  # CUDA (or NOSA_KERNELS=triton): the Triton block-sparse kernel, fwd + bwd
+
+    if start < n and ops.use_kernels(q, k):
+        positions = torch.arange(first + start, length, device=q.device)
+        outs.append(ops.sparse_prefill_attention(q[start:], k, v, cis, selection[start:], positions,
+                                                 cfg.block_size, scale)[0])
+        start = n
     while start < n:  # chunk boundaries at multiples of row_chunk in absolute position
         stop = min(n, (first + start) // row_chunk * row_chunk + row_chunk - first)
         positions = torch.arange(first + start, first + stop, device=q.device)
