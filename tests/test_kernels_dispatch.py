@@ -128,7 +128,7 @@ def test_training_step_through_the_kernels(monkeypatch):
             if "nosa_evict" in name:
                 p.copy_(torch.randn_like(p) * (0.5 if p.dim() else 1.0) + (0.7 if p.dim() == 0 else 0.0))
     model = model.to(DEVICE)
-    ids = torch.randint(0, 97, (1, 80), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ids = torch.randint(0, 97, (1, 48), generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
     def step():
         model.zero_grad()
