@@ -43,9 +43,9 @@ step deps 60 bash -c "$PY -c 'import pytest, hypothesis; print(\"pytest\", pytes
 
 # 3. kernel tests on CUDA: every kernel against its torch reference, GPU-only tests included,
 #    plus the ahead-of-time compile for sm_90/sm_80; NOSA_KERNELS=triton so nosa.ops takes the kernels
-step tests 240 env NOSA_KERNELS=triton $PY -m pytest -q -p no:cacheprovider -x --junitxml "$OUT/gpu_tests.xml" \
+step tests 240 env NOSA_KERNELS=triton $PY -m pytest -q -p no:cacheprovider --durations=10 --junitxml "$OUT/gpu_tests.xml" \
     tests/test_kernels.py tests/test_kernels_recall.py tests/test_kernels_slot.py tests/test_kernels_prefill.py \
-    tests/test_kernels_dispatch.py tests/test_kernels_aot.py
+    tests/test_kernels_dispatch.py tests/test_kernels_gpu.py tests/test_kernels_aot.py
 
 # 4. benchmarks, each a set of ratios measured side by side in one run
 step bench_recall 120 $PY scripts/bench_recall.py --out "$OUT/recall_gpu.json"
