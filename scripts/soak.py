@@ -418,7 +418,18 @@ def main(argv=None) -> int:
         report["malformed_first"] = check_malformed(client, bad, vocab, failures)
         phase("probes and malformed list")
         load = Load(client, bad, mode, args.seed)
+        samples, sampling = [], threading.Event()  # RSS through the load: warm-up plateaus, a leak climbs
+
+        def sample() -> None:
+            while not sampling.wait(mode["duration"] / 8):
+                samples.append(tree_rss_mb(server.proc.pid))
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
         seconds = load.run(alive)
+        sampling.set()
+        sampler.join()
+        report["rss_mb_during_load"] = samples
         failures.extend(load.failures)
         phase("load")
         report["load_seconds"] = round(seconds, 1)

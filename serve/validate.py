@@ -32,8 +32,8 @@ _PATH = re.compile(r"(?<![\w.:/])(?:/[\w.@+-]+){2,}/?|[A-Za-z]:\\[\w.\\ -]+")
 
 def validate_prompt(input_ids, vocab_size: int) -> None:
     """Raise ValueError (-> HTTP 400) if the tokenized prompt is empty or holds an id outside
-    [0, vocab_size). ``input_ids``: list[int] of one request, [T]. min/max run in C: a 6000-token
-    prompt costs tens of microseconds, far below tokenizing it."""
+    [0, vocab_size). ``input_ids``: list[int] of one request, [T]. min/max run in C: about 0.3 ms
+    for 6000 ids on a loaded 2-core CPU, ~1e-4 of a request's latency (scripts/soak.py reports it)."""
     if len(input_ids) == 0:
         raise ValueError("the prompt has no tokens (empty input_ids, or text that tokenizes to "
                          "nothing): send at least one token")
