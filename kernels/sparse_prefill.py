@@ -76,13 +76,12 @@ def sparse_prefill_reference(q, k, v, cis, sel, positions, block_size: int, scal
 
 # ---- Triton -----------------------------------------------------------------------------------------
 def default_tile(group: int) -> int:
-    """Query rows per tile: TQ * G about 64 matrix rows (G = 4 -> 16 tokens)."""
+    """The largest tile: TQ * G about 64 matrix rows (G = 4 -> 16 tokens)."""
     return max(1, 64 // group)
 
 
-def tile_unions(sel: torch.Tensor, num_blocks: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (tile of ``tile`` consecutive rows, KV head): the blocks any row selected, ascending.
-    sel [n, Hkv, K] -> (union [T, Hkv, U] int32 (entries past count are arbitrary), count [T, Hkv] int32)."""
+def _tile_mask(sel: torch.Tensor, num_blocks: int, tile: int) -> torch.Tensor:
+    """[T, Hkv, NB] bool: the blocks any row of each tile of ``tile`` consecutive rows selected."""
     n, hkv, topk = sel.shape
     tiles = -(-n // tile)
     padded = sel.new_full((tiles * tile, hkv, topk), -1)
@@ -90,11 +89,35 @@ def tile_unions(sel: torch.Tensor, num_blocks: int, tile: int) -> tuple[torch.Te
     index = padded.view(tiles, tile, hkv, topk).permute(0, 2, 1, 3).reshape(tiles, hkv, tile * topk).long()
     mask = torch.zeros(tiles, hkv, num_blocks + 1, dtype=torch.bool, device=sel.device)
     mask.scatter_(-1, torch.where(index >= 0, index, num_blocks), True)
-    mask = mask[..., :num_blocks]
+    return mask[..., :num_blocks]
+
+
+def tile_unions(sel: torch.Tensor, num_blocks: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (tile of ``tile`` consecutive rows, KV head): the blocks any row selected, ascending.
+    sel [n, Hkv, K] -> (union [T, Hkv, U] int32 (entries past count are arbitrary), count [T, Hkv] int32)."""
+    mask = _tile_mask(sel, num_blocks, tile)
     count = mask.sum(dim=-1)
     width = max(1, int(count.max()) if count.numel() else 1)
     union = torch.sort(mask.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
     return union.to(torch.int32).contiguous(), count.to(torch.int32).contiguous()
+
+
+def choose_tile(sel: torch.Tensor, num_blocks: int, group: int) -> int:
+    """The tile (query rows per program) with the least work per row: a tile computes every block of
+    its union for all of its TQ x G matrix rows (padded to 16), so rows that agree on their blocks
+    (sink, window, static picks) want large tiles and rows whose picks differ want small ones.
+    Work per row ~ mean union size * padded matrix rows / TQ, tried for the largest tile and its
+    halves down to 16 matrix rows."""
+    best, best_cost, tile = 1, float("inf"), default_tile(group)
+    while tile >= 1:
+        rows = max(16, 1 << max(0, tile * group - 1).bit_length())
+        cost = float(_tile_mask(sel, num_blocks, tile).sum(dim=-1, dtype=torch.float32).mean()) * rows / tile
+        if cost < best_cost:
+            best, best_cost = tile, cost
+        if tile * group <= 16:
+            break
+        tile //= 2
+    return best
 
 
 def _consts(q, k, v, topk, block_size, tile):
@@ -122,7 +145,7 @@ def _prepare(q, k, v, cis, sel, positions, block_size, tile):
     if sel.numel() and int(sel.max()) >= num_blocks:
         raise ValueError(f"sparse_prefill: sel holds block {int(sel.max())} but L={k.shape[0]} tokens have "
                          f"{num_blocks} blocks of {block_size}")
-    tile = default_tile(q.shape[1] // k.shape[1]) if tile is None else tile
+    tile = choose_tile(sel, num_blocks, q.shape[1] // k.shape[1]) if tile is None else tile
     union, count = tile_unions(sel, num_blocks, tile)
     return sel, positions.to(torch.int32).contiguous(), union, count, tile
 
@@ -224,7 +247,8 @@ class _SparsePrefill(torch.autograd.Function):
 
 def sparse_prefill(q, k, v, cis, sel, positions, block_size: int, scale: float, tile: int | None = None):
     """Triton forward and backward (autograd): (out [n, Hq, Dv], lse [n, Hq] fp32) as the reference.
-    CUDA tensors, or CPU tensors under TRITON_INTERPRET=1. ``tile``: query rows per program."""
+    CUDA tensors, or CPU tensors under TRITON_INTERPRET=1. ``tile``: query rows per program
+    (default: ``choose_tile``)."""
     out, lse = _SparsePrefill.apply(q, k, v, cis, sel, positions, block_size, scale, tile)
     return out, lse
 

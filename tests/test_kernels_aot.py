@@ -96,14 +96,15 @@ def paged_sparse_decode_case(arch, shape):
     compile_kernel(sparse_decode._kernel(), args, consts, arch, num_warps=4)
 
 
-def sparse_prefill_case(arch, shape):
+def sparse_prefill_case(arch, shape, tile=None):
+    """tile: query rows per program (default: the largest; choose_tile may pick down to 16 // G)."""
     _, hq, hkv, d, block, topk = shape
     n, length = 64, 4 * block
     q, k, v = t(n, hq, d), t(length, hkv, d), t(length, hkv, d)
     cis = t(length, hkv, dtype=torch.float32)
     sel = torch.zeros(n, hkv, topk, dtype=torch.int32)
     pos = torch.zeros(n, dtype=torch.int32)
-    tile = sparse_prefill.default_tile(hq // hkv)
+    tile = tile or sparse_prefill.default_tile(hq // hkv)
     tiles = -(-n // tile)
     union = torch.zeros(tiles, hkv, topk, dtype=torch.int32)
     count = torch.zeros(tiles, hkv, dtype=torch.int32)
@@ -130,6 +131,10 @@ def cases():
                 out.append((name, slot_decode_case, (arch, shape, dtype)))
             out.append((f"paged_sparse_decode-{shape[0]}-sm{arch}", paged_sparse_decode_case, (arch, shape)))
             out.append((f"sparse_prefill-{shape[0]}-sm{arch}", sparse_prefill_case, (arch, shape)))
+            if shape[0] != "tiny":  # the smallest tile choose_tile may pick: 16 matrix rows
+                small = max(1, 16 // (shape[1] // shape[2]))
+                out.append((f"sparse_prefill-{shape[0]}-tile{small}-sm{arch}", sparse_prefill_case,
+                            (arch, shape, small)))
     return out
 
 
