@@ -107,13 +107,14 @@ def choose_tile(sel: torch.Tensor, num_blocks: int, group: int) -> int:
     its union for all of its TQ x G matrix rows (padded to 16), so rows that agree on their blocks
     (sink, window, static picks) want large tiles and rows whose picks differ want small ones.
     Work per row ~ mean union size * padded matrix rows / TQ, tried for the largest tile and its
-    halves down to 16 matrix rows."""
+    halves down to 16 matrix rows; a smaller tile must save 25% of it, as it loads every block of
+    its union for fewer rows (more memory traffic per row)."""
     best, best_cost, tile = 1, float("inf"), default_tile(group)
     while tile >= 1:
         rows = max(16, 1 << max(0, tile * group - 1).bit_length())
         cost = float(_tile_mask(sel, num_blocks, tile).sum(dim=-1, dtype=torch.float32).mean()) * rows / tile
-        if cost < best_cost:
-            best, best_cost = tile, cost
+        if cost < 0.75 * best_cost:  # a smaller tile reloads each block for fewer rows: worth it only
+            best, best_cost = tile, cost  # when it saves a good part of the wasted rows
         if tile * group <= 16:
             break
         tile //= 2

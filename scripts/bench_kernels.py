@@ -117,7 +117,8 @@ def decode_paged(context, batch, hq, hkv, d, block, topk, dtype, device, repeats
 
 def prefill_selection(context, hkv, block, topk, window, device, g):
     """Per row: sink, the window (current block and window-1 before), a per-head static top set
-    (fixed per KV head, as the eviction ranking is) and per-row random picks; -1 where too few blocks."""
+    (fixed per KV head, as the eviction ranking is) and per-row query-aware picks drawn from a pool
+    shared by the rows of a block; -1 where too few blocks."""
     nb = context // block
     rank = torch.rand(hkv, nb, device=device)
     cur = torch.arange(context, device=device) // block  # [n]
@@ -134,7 +135,11 @@ def prefill_selection(context, hkv, block, topk, window, device, g):
     rows = static[cur]  # [n, Hkv, static_n]
     win = cur[:, None] - torch.arange(window, device=device)  # [n, window]
     win = torch.where(win >= 1, win, -1)[:, None].expand(-1, hkv, -1)
-    rand = (torch.rand(context, hkv, picks, device=device) * cur[:, None, None].clamp(min=1)).long()
+    # query-aware picks: neighbouring queries want similar blocks, so each row draws its picks from a
+    # pool of 2 x picks candidates per current block (rows of one block overlap, but differ)
+    pool = 1 + (torch.rand(nb, hkv, 2 * picks, device=device) * (blocks - window).clamp(min=1)[:, None, None]).long()
+    choice = torch.randint(0, 2 * picks, (context, hkv, picks), device=device)
+    rand = pool[cur].gather(-1, choice)
     rand = torch.where(cur[:, None, None] > window, rand, -1)
     sink = torch.zeros(context, hkv, 1, dtype=torch.long, device=device)
     return torch.cat([sink, win, rows, rand], -1)  # [n, Hkv, topk]; duplicates only cost time
