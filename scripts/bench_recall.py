@@ -7,7 +7,8 @@ Llama-3-8B-shaped items by default: 64 tokens x 128 dims bf16 = 16 KiB each for 
 - per_block: one copy_ per item and tensor (3 M calls; on CUDA non_blocking from pinned memory);
 - one_copy: one contiguous copy of the same bytes per tensor (the bandwidth ceiling);
 - writeback: the batched call in the other direction (device -> host), as completed blocks go;
-- on CUDA also the link itself: one 1 GiB pinned host -> device copy.
+- on CUDA also the link itself (one 1 GiB pinned host -> device copy) and, when sgl_kernel is
+  installed, SGLang HiCache's transfer_kv_per_layer on the same K and V items.
 Items are drawn at random from a host pool larger than the caches, into random device slots.
 Targets (issue 8, benchmark 2): batched >= 4x per_block and >= 80% of one_copy.
 
@@ -97,6 +98,17 @@ def case(items: int, host_items: int, slots: int, block: int, d: int, dtype, cud
                      ("writeback", writeback)):
         row[f"{name}_s"] = timed(fn, repeats, cuda)
         row[f"{name}_gbps"] = nbytes / row[f"{name}_s"] / 1e9
+    if cuda:  # SGLang HiCache's per-layer K+V transfer kernel, when sgl_kernel is installed (K and V only)
+        try:
+            from sgl_kernel.kvcacheio import transfer_kv_per_layer
+
+            item_bytes = k_host[0].numel() * k_host.element_size()
+            kv_bytes = 2 * item_bytes * items
+            seconds = timed(lambda: transfer_kv_per_layer(k_host, k_dev, v_host, v_dev, s_i, d_i, item_bytes),
+                            repeats, cuda)
+            row["sgl_transfer_kv_gbps"] = kv_bytes / seconds / 1e9
+        except Exception as e:  # not installed (the usual case off SGLang's GPU wheels) or another API
+            row["sgl_transfer_kv"] = repr(e)[:200]
     row["batched_over_per_block"] = row["per_block_s"] / row["batched_s"]
     row["batched_fraction_of_one_copy"] = row["one_copy_s"] / row["batched_s"]
     return row
