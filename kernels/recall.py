@@ -104,8 +104,18 @@ class ItemCopier:
 
 
 def copy_items_reference(dst, src, dst_idx, src_idx) -> None:
-    """The CPU path as one call (staging sized for this call). Shapes as in the module docstring."""
-    ItemCopier(dst).copy(dst, src, dst_idx, src_idx)
+    """The spec as one call, on any devices. Shapes as in the module docstring. CPU tensors: the
+    ItemCopier path (staging sized for this call); with CUDA tensors (e.g. NOSA_KERNELS=reference on
+    a GPU): a plain gather + scatter per pair, which allocates and synchronises (a reference only)."""
+    if not any(t.is_cuda for t in (*dst, *src, dst_idx, src_idx)):
+        ItemCopier(dst).copy(dst, src, dst_idx, src_idx)
+        return
+    _check(dst, src, dst_idx, src_idx)
+    keep = src_idx >= 0
+    dst_idx, src_idx = dst_idx[keep], src_idx[keep]
+    for d, s in zip(dst, src):
+        rows = item_rows(s).index_select(0, src_idx.to(s.device))
+        item_rows(d).index_copy_(0, dst_idx.to(d.device), rows.to(d.device))
 
 
 # ---- Triton (CUDA; CPU tensors under TRITON_INTERPRET=1) ------------------------------------------

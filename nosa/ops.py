@@ -55,6 +55,9 @@ def copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx
     if backend(*dst, *src) == "triton":
         recall.copy_items_triton(dst, src, dst_idx, src_idx)
         return
+    if any(t.is_cuda for t in (*dst, *src)):  # NOSA_KERNELS=reference on a GPU
+        recall.copy_items_reference(dst, src, dst_idx, src_idx)
+        return
     # one copier (staging buffers) per item layout and thread: staging must not be shared by two calls
     key = (threading.get_ident(), *((tuple(t.shape[1:]), t.dtype) for t in dst))
     copier = _COPIERS.get(key)
