@@ -138,7 +138,7 @@ def prefill_selection(context, hkv, block, topk, window, device, g):
     # query-aware picks: neighbouring queries want similar blocks, so each row draws its picks from a
     # pool of 2 x picks candidates per current block (rows of one block overlap, but differ)
     pool = 1 + (torch.rand(nb, hkv, 2 * picks, device=device) * (blocks - window).clamp(min=1)[:, None, None]).long()
-    choice = torch.randint(0, 2 * picks, (context, hkv, picks), device=device)
+    choice = torch.randint(0, max(1, 2 * picks), (context, hkv, picks), device=device)
     rand = pool[cur].gather(-1, choice)
     rand = torch.where(cur[:, None, None] > window, rand, -1)
     sink = torch.zeros(context, hkv, 1, dtype=torch.long, device=device)
@@ -205,7 +205,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--only", default="decode_slots,decode_paged,prefill", help="comma-separated sections")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (0: torch's default); on a CPU shared with other busy "
+                             "processes 1 avoids OpenMP regions waiting on a descheduled thread")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     global DEVICE
     device = DEVICE = args.device
     torch.manual_seed(0)
@@ -221,7 +226,8 @@ def main() -> None:
     repeats = 5 if args.quick else 20
     sections = [s for s in args.only.split(",") if s]
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-              "torch": torch.__version__, "shape": {k: str(v) for k, v in shape.items()}}
+              "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "shape": {k: str(v) for k, v in shape.items()}}
     for section in sections:
         rows = []
         if section in ("decode_slots", "decode_paged"):
