@@ -101,6 +101,20 @@ def sparse_prefill_attention(q, k, v, cis, sel, positions, block_size: int, scal
     return mod.sparse_prefill_reference(q, k, v, cis, sel, positions, block_size, scale)
 
 
+# ---- selection scores -------------------------------------------------------------------------------
+def query_block_scores(q, compressed_k, positions, num_blocks: int, cfg, scale: float) -> torch.Tensor:
+    """The query-aware block scores of nosa.select.query_block_scores (its arguments and result:
+    q [R, Hq, D], compressed_k [C, Hkv, D], positions [R] -> [R, Hkv, NB] fp32), fused in one Triton
+    kernel on CUDA (nosa.kernels.block_scores); nosa.select's own torch code otherwise."""
+    if backend(q, compressed_k) == "triton":
+        from nosa.kernels.block_scores import query_block_scores_triton
+
+        return query_block_scores_triton(q, compressed_k, positions, num_blocks, cfg, scale)
+    from nosa.select import query_block_scores as spec
+
+    return spec(q, compressed_k, positions, num_blocks, cfg, scale)
+
+
 def use_kernels(*tensors: torch.Tensor) -> bool:
     """Whether ops on these tensors run Triton kernels (for call sites that keep a faster CPU path)."""
     return backend(*tensors) == "triton"

@@ -6,7 +6,9 @@ Sections (``--only`` picks some):
   dense SDPA decode over the whole contiguous context;
 - decode_paged: the paged sparse decode (offloading off): reference and, on CUDA, Triton vs dense;
 - prefill: block-sparse prefill forward + backward (nosa.ops.sparse_prefill_attention) vs dense
-  causal SDPA forward + backward over the same context.
+  causal SDPA forward + backward over the same context;
+- scores (CUDA): the selection's query-aware block scores for 4096 rows, nosa.select's torch code vs
+  the fused kernel (nosa.ops.query_block_scores), to decide whether the selection should use it.
 Shapes: on CUDA Llama-3-8B heads (Hq 32, Hkv 8, D 128, bf16, block 64, top-k 64 blocks); on CPU the
 tiny serving model's heads (Hq 8, Hkv 2, D 32, fp32). Each row also records the kernel's max error
 against the torch reference on the same inputs (CUDA). Writes JSON (default results/kernels.json).
@@ -189,6 +191,29 @@ def prefill(context, hq, hkv, d, block, topk, dtype, device, repeats, g):
     return row
 
 
+def scores(context, rows, hq, hkv, d, block, topk, dtype, device, repeats, g):
+    """The selection's query-aware block scores for `rows` query rows at the end of a context:
+    nosa.select's torch code vs the fused kernel (nosa.ops.query_block_scores), and their agreement."""
+    from nosa import NosaConfig
+    from nosa.compress import compress_windows
+    from nosa.select import query_block_scores
+
+    cfg = NosaConfig(block_size=block, topk_blocks=topk)
+    q = randn(rows, hq, d, dtype=dtype)
+    compressed = compress_windows(randn(context, hkv, d, dtype=dtype), cfg)
+    positions = torch.arange(context - rows, context, device=device)
+    nb = cfg.num_blocks(context)
+    args = (q, compressed, positions, nb, cfg, d**-0.5)
+    row = {"context": context, "rows": rows, "torch_s": timed(lambda: query_block_scores(*args), repeats, device),
+           "fused_s": timed(lambda: ops.query_block_scores(*args), repeats, device)}
+    row["torch_over_fused"] = row["torch_s"] / row["fused_s"]
+    want, got = query_block_scores(*args), ops.query_block_scores(*args)
+    finite = torch.isfinite(want)
+    row["same_finite_blocks"] = bool(torch.equal(finite, torch.isfinite(got)))
+    row["max_abs_err"] = (got[finite] - want[finite]).abs().max().item()
+    return row
+
+
 def guarded(fn, key: dict, **kwargs) -> dict:
     """fn(**key, **kwargs), or the error it raised (one failing size must not lose the others)."""
     try:
@@ -204,7 +229,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/kernels.json")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--only", default="decode_slots,decode_paged,prefill", help="comma-separated sections")
+    parser.add_argument("--only", default="decode_slots,decode_paged,prefill,scores", help="comma-separated sections")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads (0: torch's default); on a CPU shared with other busy "
                              "processes 1 avoids OpenMP regions waiting on a descheduled thread")
@@ -242,8 +267,16 @@ def main() -> None:
                 rows.append(guarded(prefill, dict(context=context), device=device, repeats=max(2, repeats // 4), g=g,
                                     **pshape))
                 print(section, json.dumps(rows[-1]), flush=True)
+        elif section == "scores":
+            if device != "cuda":
+                result[section] = "CUDA only (on CPU nosa.ops.query_block_scores is nosa.select's code)"
+                continue
+            for context in prefill_grid:
+                rows.append(guarded(scores, dict(context=context, rows=4096), device=device, repeats=repeats, g=g,
+                                    **shape))
+                print(section, json.dumps(rows[-1]), flush=True)
         else:
-            raise SystemExit(f"--only: unknown section {section!r} (decode_slots, decode_paged, prefill)")
+            raise SystemExit(f"--only: unknown section {section!r} (decode_slots, decode_paged, prefill, scores)")
         result[section] = rows
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
