@@ -47,7 +47,7 @@ step deps 60 bash -c "$PY -c 'import pytest, hypothesis; print(\"pytest\", pytes
 #    triton there would need the interpreter); the dispatch tests set NOSA_KERNELS themselves.
 step tests 240 env -u NOSA_KERNELS $PY -m pytest -q -p no:cacheprovider --durations=10 --junitxml "$OUT/gpu_tests.xml" \
     tests/test_kernels.py tests/test_kernels_recall.py tests/test_kernels_slot.py tests/test_kernels_prefill.py \
-    tests/test_kernels_dispatch.py tests/test_kernels_gpu.py tests/test_kernels_aot.py
+    tests/test_kernels_dispatch.py tests/test_kernels_scores.py tests/test_kernels_gpu.py tests/test_kernels_aot.py
 
 # 4. benchmarks, each a set of ratios measured side by side in one run
 step bench_recall 120 $PY scripts/bench_recall.py --out "$OUT/recall_gpu.json"
