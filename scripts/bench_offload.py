@@ -151,7 +151,7 @@ def bench_capacity(args, work, ckpt) -> dict:
     out = {"device_kv_tokens": device}
     # torch_native: its KV pool is the device memory; the longest prompt it accepts
     server = _server(ckpt, ["--attention-backend", "torch_native", "--max-total-tokens", str(device),
-                            "--context-length", str(context + 64)], os.path.join(work, "native_cap.log"),
+                            "--context-length", str(context)], os.path.join(work, "native_cap.log"),
                      threads=args.threads)
     try:
         fits = device - args.new_tokens - 8
@@ -164,7 +164,7 @@ def bench_capacity(args, work, ckpt) -> dict:
     finally:
         server.stop()
     stats = os.path.join(work, "cap_stats.json")
-    server = _server(ckpt, ["--attention-backend", "nosa", "--page-size", "64", "--context-length", str(context + 64),
+    server = _server(ckpt, ["--attention-backend", "nosa", "--page-size", "64", "--context-length", str(context),
                             "--chunked-prefill-size", "4096"], os.path.join(work, "nosa_cap.log"),
                      _offload_env(context + 4096, device, stats), args.threads)
     try:
@@ -193,7 +193,7 @@ def bench_decode(args, work, ckpt) -> dict:
 
     cfg = NosaConfig()
     contexts = [8192] if args.quick else args.contexts
-    max_ctx = max(contexts) + args.new_tokens + 16
+    max_ctx = max(contexts) + args.decode_tokens + 16
     common = ["--attention-backend", "nosa", "--chunked-prefill-size", "-1", "--context-length", str(max_ctx),
               "--max-running-requests", str(args.batch)]
     rows = []
@@ -208,7 +208,7 @@ def bench_decode(args, work, ckpt) -> dict:
         try:
             measure(server, 512, args.batch, 16)  # warm-up
             for context in contexts:
-                row = {"offload": mode, **measure(server, context, args.batch, args.new_tokens)}
+                row = {"offload": mode, **measure(server, context, args.batch, args.decode_tokens)}
                 if mode == "on":
                     row.update(_counters(stats))
                 print(json.dumps(row), flush=True)
@@ -234,7 +234,9 @@ def main() -> None:
     ap.add_argument("--capacity-context", type=int, default=131072)
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768], help="decode part")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (hitrate, capacity)")
+    ap.add_argument("--decode-tokens", type=int, default=160,
+                    help="tokens per request in the decode part (enough steps with the whole batch decoding)")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the servers")
     ap.add_argument("--quick", action="store_true", help="hitrate at 1x/2x, capacity at 32K, decode at 8K")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "offload.json"))
@@ -258,16 +260,14 @@ def main() -> None:
         ckpt = os.path.join(work, "tiny-llama")
         build_model(ckpt)
         report["model"] = "llama 2 layers, hidden 256, GQA 8/2, fp32, random weights (bench_serve's)"
-    if "hitrate" in args.parts:
-        report["hitrate"] = bench_hitrate(args, work)
-    if "capacity" in args.parts:
-        report["capacity"] = bench_capacity(args, work, ckpt)
-    if "decode" in args.parts:
-        report["decode"] = bench_decode(args, work, ckpt)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    parts = {"hitrate": lambda: bench_hitrate(args, work), "capacity": lambda: bench_capacity(args, work, ckpt),
+             "decode": lambda: bench_decode(args, work, ckpt)}
+    for part in args.parts:  # the JSON is rewritten after each part, so a late failure keeps the others
+        report[part] = parts[part]()
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {part} to {args.out}", flush=True)
 
 
 if __name__ == "__main__":
