@@ -26,6 +26,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -475,7 +476,11 @@ def main(argv=None) -> int:
     print(json.dumps(summary))
     for line in failures:
         print("FAIL:", line, file=sys.stderr)
-    return 0 if not failures else 1
+    if failures:
+        print(f"server log and checkpoint kept in {work}", file=sys.stderr)
+        return 1
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
