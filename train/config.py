@@ -38,6 +38,10 @@ class SyntheticSection:
     train_examples: int = 2000
     heldout_examples: int = 64
     seed: int = 1234
+    # Facts lie between the sink blocks and the local window of the question (nosa.sink_blocks and
+    # nosa.window_blocks, in tokens), at this depth range of the span between (0: right after the
+    # sinks, 1: right before the window).
+    depth: list[float] = field(default_factory=lambda: [0.0, 1.0])
 
 
 @dataclass
@@ -77,6 +81,11 @@ class TrainConfig:
     micro_batch: int = 1
     grad_accum: int = 1
     dense_steps: int = 0  # dense training before conversion (0 for a pretrained dense LM)
+    # Shorter rows first: [[steps, seq_len], ...] at the start of the dense phase, each stage with
+    # micro_batch * seq_len / its seq_len rows per micro step (the same tokens per step); the rest
+    # of the dense phase and the NOSA phase train at seq_len. Retrieval emerges after a plateau
+    # that grows with the square of the length, so short rows first make it emerge sooner.
+    curriculum: list[list[int]] = field(default_factory=list)
     steps: int = 100  # NOSA fine-tuning steps after conversion
     dense_lr: float | None = None  # lr of the dense phase (default optim.lr)
     freeze_base: bool = False  # NOSA phase: train the eviction heads only
@@ -105,6 +114,20 @@ class TrainConfig:
     def total_steps(self) -> int:
         return self.dense_steps + self.steps
 
+    def stage_at(self, step: int) -> tuple[int, int]:
+        """(seq_len, micro_batch) of optimizer step ``step`` (0-based; see ``curriculum``)."""
+        end = 0
+        for steps, length in self.curriculum:
+            end += steps
+            if step < end:
+                return length, self.micro_batch * self.seq_len // length
+        return self.seq_len, self.micro_batch
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Every row length the run trains at (curriculum stages and seq_len), ascending."""
+        return sorted({length for _, length in self.curriculum} | {self.seq_len})
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -121,6 +144,7 @@ class TrainConfig:
         cfg = self.nosa_config  # NosaConfig raises ValueError naming the field
         if self.seq_len % cfg.block_size:
             raise ValueError(f"seq_len={self.seq_len} must be a multiple of nosa.block_size={cfg.block_size}")
+        self._validate_curriculum(cfg.block_size)
         if self.model.path is None and not self.model.build:
             raise ValueError("model: set model.path (a local checkpoint) or model.build (a config)")
         if self.model.path is not None:
@@ -144,6 +168,9 @@ class TrainConfig:
             bad = sorted(set(self.data.synthetic.tasks) - set(TASKS))
             if bad or not self.data.synthetic.tasks:
                 raise ValueError(f"data.synthetic.tasks: unknown {bad}; known tasks are {list(TASKS)}")
+            depth = self.data.synthetic.depth
+            if len(depth) != 2 or not all(isinstance(x, (int, float)) for x in depth) or not 0 <= depth[0] <= depth[1] <= 1:
+                raise ValueError(f"data.synthetic.depth={depth!r}: expected [lo, hi] with 0 <= lo <= hi <= 1")
         if self.data.loss_on not in ("all", "targets"):
             raise ValueError(f"data.loss_on={self.data.loss_on!r}: use all or targets")
         if self.wandb.mode not in (None, "offline", "online", "disabled"):
@@ -152,6 +179,23 @@ class TrainConfig:
             raise ValueError(f"deepspeed config not found: {self.deepspeed!r}")
         if self.resume not in (None, "auto") and not os.path.isdir(self.resume):
             raise ValueError(f"resume={self.resume!r} is not a checkpoint directory")
+
+    def _validate_curriculum(self, block_size: int) -> None:
+        for stage in self.curriculum:
+            ok = isinstance(stage, list) and len(stage) == 2 and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in stage
+            )
+            if not ok:
+                raise ValueError(f"curriculum: expected [[steps, seq_len], ...] of positive ints, got stage {stage!r}")
+            length = stage[1]
+            if length > self.seq_len or self.seq_len % length or length % block_size:
+                raise ValueError(
+                    f"curriculum stage {stage}: seq_len {length} must divide seq_len={self.seq_len} "
+                    f"and be a multiple of nosa.block_size={block_size}"
+                )
+        staged = sum(steps for steps, _ in self.curriculum)
+        if staged > self.dense_steps:
+            raise ValueError(f"curriculum: its {staged} steps exceed dense_steps={self.dense_steps} (it is part of the dense phase)")
 
 
 def check_model_path(path: str) -> str:

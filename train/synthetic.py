@@ -1,13 +1,22 @@
-"""Synthetic long-context tasks: passkey retrieval, multi-key needles, multi-query associative
-recall (MQAR) and variable tracking.
+"""Synthetic long-context tasks: key-value recall (the default), passkey retrieval, multi-key
+needles, multi-query associative recall with names (MQAR) and variable tracking.
 
 An example is ``{"task", "text", "targets"}``: ``targets`` are character spans ``[start, end)`` of
-``text`` that the model must predict (the answers); everything else is context. The length is
-measured with a callable (characters by default, a tokenizer's token count when one is given) and
-the filler is sized so that the example holds ``length`` units, give or take a few.
+``text`` that the model must predict (the answers); everything else is context. Lengths are
+measured with a callable (characters by default, a tokenizer's token count when one is given); the
+example holds at most ``length`` units and at least ``length`` minus one filler word.
 
-``write_dataset`` writes ``train.jsonl`` and ``heldout.jsonl`` (different seeds) plus
-``meta.json`` into a directory, atomically.
+Where the facts go is set in the same units: every fact lies at or after ``head`` (the sink blocks)
+and ends at least ``tail`` units before the question starts (the local window of every question
+position), at a ``depth`` in [0, 1] of the span between. With ``head = sink_blocks * block_size``
+and ``tail = window_blocks * block_size`` the answer sits in a block that only the selection can
+reach, which is what makes sparse attention matter. The text is a run of space-led pieces (the
+byte-level tokenizer never merges across a leading space), so token positions add up piece by
+piece and the placement is exact.
+
+``write_dataset`` writes ``train.jsonl`` (plus ``train-<L>.jsonl`` for each shorter curriculum
+length) and ``heldout.jsonl`` plus ``meta.json`` into a directory, atomically. Train and held-out
+examples come from different random streams (the split name is part of every example's seed).
 """
 
 from __future__ import annotations
@@ -18,27 +27,39 @@ import random
 import shutil
 from typing import Callable
 
-TASKS = ("passkey", "multikey", "mqar", "vartrack")
+TASKS = ("recall", "passkey", "multikey", "mqar", "vartrack")
 _CONS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
+# recall: single-letter keys and single-digit values (one token each), Zoology-style MQAR.
+RECALL_KEYS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+RECALL_PAIRS = 8
+RECALL_GROUPS = 2
+RECALL_QUERIES = 6
 
 
 def _word(rng: random.Random) -> str:
     return "".join(rng.choice(_CONS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 3)))
 
 
-def _filler(rng: random.Random, words: int, pool: int = 6) -> list[str]:
-    """A paragraph of ``pool`` sentences of pseudo-words, repeated in order. An LM loss on the filler
-    then rewards copying from earlier context (induction), the skill the retrieval answers need;
-    the paragraph is new in every example, so nothing can be memorised."""
-    sentences = [" ".join(_word(rng) for _ in range(rng.randint(4, 9))).capitalize() + "." for _ in range(pool)]
-    out, left, i = [], words, 0
-    while left > 0:
-        sentence = sentences[i % pool]
-        out.append(sentence)
-        left -= sentence.count(" ") + 1
-        i += 1
-    return out
+# A fixed lexicon of three-syllable pseudo-words: a word's third syllable follows from its first
+# two, so an LM loss on the filler rewards a previous-token head early, the first half of the
+# induction circuit that retrieval needs.
+_LEXICON = [
+    "".join(r.choice(_CONS) + r.choice(_VOWELS) for _ in range(3)) for r in (random.Random(f"lexicon:{i}") for i in range(256))
+]
+
+
+def _filler_words(rng: random.Random, pool: int = 2) -> list[str]:
+    """One paragraph of ``pool`` lower-case sentences of lexicon words; the filler repeats it in
+    order. An LM loss on the filler then rewards copying from earlier context (induction), the skill
+    the retrieval answers need; the paragraph is new in every example, so nothing can be memorised.
+    Lower case keeps the recall keys (capital letters) out of the filler."""
+    words = []
+    for _ in range(pool):
+        sentence = [rng.choice(_LEXICON) for _ in range(rng.randint(4, 9))]
+        sentence[-1] += "."
+        words += sentence
+    return words
 
 
 def _digits(rng: random.Random, n: int) -> str:
@@ -52,9 +73,20 @@ def _names(rng: random.Random, n: int, size: int = 3) -> list[str]:
     return sorted(names, key=lambda _: rng.random())
 
 
-# Each task returns (facts, question parts): facts are sentences inserted into the filler at random
+# Each task returns (facts, question parts): facts are pieces inserted into the filler at random
 # depths (in order); the question is a list of (text, is_target) pieces appended at the end. Targets
-# start with their leading space, so a tokenizer that glues the space to the word labels it whole.
+# start with their leading space or are digits, so the tokenizer labels them whole.
+def _recall(rng):
+    keys = rng.sample(RECALL_KEYS, RECALL_PAIRS)
+    vals = {k: rng.choice("0123456789") for k in keys}
+    per = -(-RECALL_PAIRS // RECALL_GROUPS)
+    facts = [" ".join(f"{k}{vals[k]}" for k in keys[i : i + per]) + "." for i in range(0, RECALL_PAIRS, per)]
+    parts = [(" ?", False)]
+    for k in rng.sample(keys, RECALL_QUERIES):
+        parts += [(f" {k}", False), (vals[k], True)]
+    return facts, parts + [(".", False)]
+
+
 def _passkey(rng):
     key = _digits(rng, 5)
     question = [(" What is the pass key? The pass key is", False), (f" {key}", True), (".", False)]
@@ -94,49 +126,92 @@ def _vartrack(rng):
     return facts, [(f" Which variables equal {value}? They are", False), (f" {answer}", True), (".", False)]
 
 
-_TASK_FNS = {"passkey": _passkey, "multikey": _multikey, "mqar": _mqar, "vartrack": _vartrack}
+_TASK_FNS = {"recall": _recall, "passkey": _passkey, "multikey": _multikey, "mqar": _mqar, "vartrack": _vartrack}
 
 
-def make_example(task: str, length: int, seed: int, measure: Callable[[str], int] = len) -> dict:
-    """One example of ``task`` holding about ``length`` units of ``measure`` (never more)."""
+def make_example(
+    task: str,
+    length: int,
+    seed,
+    measure: Callable[[str], int] = len,
+    head: int = 0,
+    tail: int = 0,
+    depth: tuple[float, float] = (0.0, 1.0),
+) -> dict:
+    """One example of ``task`` holding at most ``length`` units of ``measure``; its facts lie in
+    ``[head, question start - tail)`` at ``depth`` (see the module docstring). Also returns
+    ``facts``: the unit span ``[start, end)`` of every fact, and ``question``: where it starts."""
     if task not in _TASK_FNS:
         raise ValueError(f"unknown synthetic task {task!r}; known tasks are {list(TASKS)}")
-    words = max(8, length // 6)
-    for _ in range(12):
-        ex = _render(task, seed, words)
-        n = measure(ex["text"])
-        if n <= length and n >= 0.97 * length:
-            return ex
-        words = max(8, int(words * (length / max(n, 1)) * (0.99 if n > length else 1.0)))
-    while measure(ex["text"]) > length and words > 8:
-        words = max(8, int(words * 0.95))
-        ex = _render(task, seed, words)
-    return ex
-
-
-def _render(task: str, seed: int, words: int) -> dict:
+    lo, hi = depth
+    if not 0.0 <= lo <= hi <= 1.0:
+        raise ValueError(f"depth={list(depth)}: expected [lo, hi] with 0 <= lo <= hi <= 1")
     rng = random.Random(f"{task}:{seed}")
     facts, question = _TASK_FNS[task](rng)
-    filler = _filler(random.Random(f"filler:{seed}"), words)
-    # Facts at random depths in the first 90% of the context, in their given order.
-    slots = sorted(rng.randrange(0, max(1, int(len(filler) * 0.9)) + 1) for _ in facts)
-    pieces, fi = [], 0
-    for pos, fact in zip(slots, facts):
-        pieces += filler[fi:pos] + [fact]
-        fi = max(fi, pos)
-    pieces += filler[fi:]
-    text = " ".join(pieces)
+    paragraph = _filler_words(random.Random(f"filler:{seed}"))
+    cost: dict[str, int] = {}
+
+    def units(piece: str) -> int:  # every piece is joined with a leading space
+        if piece not in cost:
+            cost[piece] = measure(" " + piece)
+        return cost[piece]
+
+    q_text = "".join(part for part, _ in question)
+    q_units = measure(q_text)
+    fact_units = [units(f) for f in facts]
+    room = length - q_units - sum(fact_units)  # units of filler
+    filler, offsets, used = [], [], 0  # offsets[i]: filler units before word i
+    while True:
+        word = paragraph[len(filler) % len(paragraph)]
+        if used + units(word) > room:
+            break
+        offsets.append(used)
+        filler.append(word)
+        used += units(word)
+    offsets.append(used)
+    # Fact i goes before filler word at[i]; in filler units it starts at offsets[at[i]], which must
+    # lie in [head, used - tail] (the facts before it shift it and the question alike).
+    first, last = head, used - tail
+    inside = [i for i, off in enumerate(offsets) if first <= off <= last]
+    if not inside:
+        raise ValueError(
+            f"synthetic task {task!r}: length={length} leaves no filler between head={head} and "
+            f"tail={tail} (facts {sum(fact_units)} + question {q_units} units)"
+        )
+    lo_u, hi_u = first + lo * (last - first), first + hi * (last - first)
+    slots = [i for i in inside if lo_u <= offsets[i] <= hi_u]
+    if not slots:  # a narrow depth range between two word boundaries: the nearest one inside
+        slots = [min(inside, key=lambda i: abs(offsets[i] - lo_u))]
+    at = sorted(rng.choice(slots) for _ in facts)
+    pieces, spans, pos, fi = [], [], 0, 0
+    for slot, fact, n in zip(at, facts, fact_units):
+        for word in filler[fi:slot]:
+            pieces.append(word)
+            pos += units(word)
+        fi = max(fi, slot)
+        pieces.append(fact)
+        spans.append([pos, pos + n])
+        pos += n
+    for word in filler[fi:]:
+        pieces.append(word)
+        pos += units(word)
+    text = "".join(" " + p for p in pieces)
     targets = []
     for part, is_target in question:
         if is_target:
             targets.append([len(text), len(text) + len(part)])
         text += part
-    return {"task": task, "text": text, "targets": targets}
+    return {"task": task, "text": text, "targets": targets, "facts": spans, "question": pos}
 
 
-def make_split(tasks, count: int, length: int, seed: int, measure=len) -> list[dict]:
-    """``count`` examples cycling through ``tasks``; deterministic in (tasks, length, seed)."""
-    return [make_example(tasks[i % len(tasks)], length, seed * 1_000_003 + i, measure) for i in range(count)]
+def make_split(tasks, count: int, length: int, seed, measure=len, split: str = "", **placement) -> list[dict]:
+    """``count`` examples cycling through ``tasks``; deterministic in (tasks, length, seed, split).
+    ``placement``: head, tail, depth of make_example."""
+    tag = f"{split}:" if split else ""
+    return [
+        make_example(tasks[i % len(tasks)], length, f"{tag}{seed * 1_000_003 + i}", measure, **placement)
+        for i in range(count)
+    ]
 
 
 def write_dataset(
@@ -149,20 +224,31 @@ def write_dataset(
     measure=len,
     meta: dict | None = None,
     extra: Callable[[str], None] | None = None,
+    lengths: list[int] = (),
+    **placement,
 ) -> str:
-    """Write train.jsonl / heldout.jsonl / meta.json into ``out_dir`` via a temp dir + rename;
-    ``extra(tmp_dir)`` may add files (the tokenizer the lengths were measured with)."""
+    """Write train.jsonl / heldout.jsonl (at ``length``), ``train-<L>.jsonl`` for every other L in
+    ``lengths`` (curriculum stages) and meta.json into ``out_dir`` via a temp dir + rename;
+    ``extra(tmp_dir)`` may add files (the tokenizer the lengths were measured with).
+    ``placement`` (head, tail, depth) applies at ``length``; the shorter curriculum stages are a
+    warm-up of the dense model and place facts anywhere (a short row has no room for sinks and a
+    window, and a budget that covers the whole row selects everything anyway)."""
     tmp = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        for name, count, split_seed in (("train", train, seed), ("heldout", heldout, seed + 1)):
+        files = [("train", train, length, "train", placement), ("heldout", heldout, length, "heldout", placement)]
+        files += [(f"train-{n}", train, n, "train", {}) for n in sorted(set(lengths) - {length})]
+        for name, count, n, split, where in files:
             with open(os.path.join(tmp, f"{name}.jsonl"), "w") as f:
-                for ex in make_split(list(tasks), count, length, split_seed, measure):
+                for ex in make_split(list(tasks), count, n, seed, measure, split, **where):
                     f.write(json.dumps(ex) + "\n")
         if extra is not None:
             extra(tmp)
-        info = dict(meta or {}, tasks=list(tasks), train=train, heldout=heldout, length=length, seed=seed)
+        info = dict(
+            meta or {}, tasks=list(tasks), train=train, heldout=heldout, length=length, seed=seed,
+            lengths=sorted(set(lengths) | {length}), **{k: list(v) if isinstance(v, tuple) else v for k, v in placement.items()},
+        )
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(info, f, indent=1, sort_keys=True)
         if os.path.isdir(out_dir):
@@ -173,6 +259,12 @@ def write_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def train_file(out_dir: str, length: int, final_length: int) -> str:
+    """The training file of a curriculum stage at ``length`` tokens."""
+    name = "train.jsonl" if length == final_length else f"train-{length}.jsonl"
+    return os.path.join(out_dir, name)
 
 
 def read_meta(out_dir: str) -> dict | None:
