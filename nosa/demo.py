@@ -21,31 +21,15 @@ import time
 import torch
 
 from nosa.config import NosaConfig
+from nosa.tiny import set_eviction_heads
 
 
 def build_model(seed: int, layers: int, hidden: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The demo's dense model: a tiny Llama (GQA 8/2, vocabulary 512) from nosa.tiny, in eval mode."""
+    from nosa.tiny import tiny_llama
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=65536,
-        attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-def give_eviction_heads(model, seed: int) -> None:
-    """Stand-in for fine-tuned eviction heads: random W and a positive A, so the static part of the
-    selection is visible (a freshly converted model has A = 0)."""
-    from nosa.eviction import EvictionHead
-
-    gen = torch.Generator().manual_seed(seed)
-    for module in model.modules():
-        if isinstance(module, EvictionHead):
-            with torch.no_grad():
-                module.proj.weight.copy_(torch.randn(module.proj.weight.shape, generator=gen) * 0.3)
-                module.scale.fill_(1.0)
+    return tiny_llama(layers=layers, hidden=hidden, heads=8, kv_heads=2, vocab=512, seed=seed,
+                      max_positions=65536, pad_token_id=0, bos_token_id=1, eos_token_id=2).eval()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -82,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                   "query_blocks": 0}))
         full_err = (full(prompt).logits[0] - dense_logits).abs().max().item()
         sparse = nosa.convert(copy.deepcopy(dense), cfg)
-        give_eviction_heads(sparse, args.seed)
+        set_eviction_heads(sparse, scale=1.0, std=0.3, seed=args.seed)  # stand-in for trained heads
         t0 = time.perf_counter()
         sparse_logits = sparse(prompt).logits[0]
         t_sparse = time.perf_counter() - t0

@@ -9,13 +9,23 @@ Inside the attention function, sequences are handled one at a time in the token-
 nosa.attention: prefill/training rows go through ``nosa_prefill`` (the spec), single-token decode
 rows go through ``NosaDecodeState`` kept per (layer, batch row) and checked against the cache on
 every step, so a stale state is rebuilt rather than trusted.
+
+Packed rows (several documents in one batch row, as nosa.train packs them): pass ``position_ids``
+that restart at 0 at each document and no cache (``use_cache=False``). Each document then attends
+only to itself (``nosa_prefill_varlen``), and transformers gives dense attention the same
+block-diagonal mask from the same position_ids, so dense and NOSA models see the same documents.
+
+``capture_attention_inputs(model)`` records each layer's q/k/v for analysis (nosa.train.metrics)
+through a per-module hook, without touching transformers' global attention registry.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from nosa.attention import nosa_prefill
+from nosa.attention import nosa_prefill, nosa_prefill_varlen
 from nosa.config import CONFIG_KEY, NosaConfig
 from nosa.decode import NosaDecodeState
 from nosa.eviction import MODULE_NAME, EvictionHead, read_eviction_tensors
@@ -121,11 +131,13 @@ def nosa_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    position_ids: torch.Tensor | None = None,
     **kwargs,
 ):
     """transformers attention function. query [B, Hq, S, D]; key/value [B, Hkv, L, D] (the whole
-    cache); attention_mask: None or the SDPA mask [B, 1, S, L] (bool, or float with -inf).
-    Returns ([B, S, Hq, D], None)."""
+    cache); attention_mask: None or the SDPA mask [B, 1, S, L] (bool, or float with -inf);
+    position_ids [B, S] or [1, S]: where they restart, a new document starts (only without a cached
+    prefix, S == L). Returns ([B, S, Hq, D], None)."""
     if dropout:
         raise ValueError("NOSA attention does not implement attention dropout; set attention_dropout=0")
     cfg: NosaConfig = module._nosa_config
@@ -134,10 +146,24 @@ def nosa_attention_forward(
     kv_len = key.shape[2]
     scale = scaling if scaling is not None else head_dim**-0.5
     valid = _valid_keys(attention_mask, bsz, kv_len, query.device)  # [B, L] bool
+    capture = module.__dict__.get("_nosa_capture")
+    if capture is not None:
+        capture(query, key, value)
 
     states: dict[int, NosaDecodeState] = module.__dict__.setdefault("_nosa_states", {})
     if q_len > 1:
         states.clear()  # a new prefill starts new sequences
+    if attention_mask is None and q_len == kv_len and (q_len > 1 or module.training):
+        # no padding, no cache (training): every row is real, no gathers or scatters needed
+        outs = []
+        for b in range(bsz):
+            q_rows, k_seq, v_seq = (t[b].transpose(0, 1) for t in (query, key, value))
+            docs = _document_bounds(position_ids, b, None)
+            if docs is None:
+                outs.append(nosa_prefill(q_rows, k_seq, v_seq, evict(v_seq), cfg, scale)[0])
+            else:
+                outs.append(nosa_prefill_varlen(q_rows, k_seq, v_seq, evict(v_seq), docs, cfg, scale)[0])
+        return torch.stack(outs), None
     out = query.new_zeros(bsz, q_len, hq, value.shape[-1])
     for b in range(bsz):
         keep = valid[b].nonzero().squeeze(1)
@@ -151,10 +177,41 @@ def nosa_attention_forward(
         q_rows = query[b, :, rows].transpose(0, 1)  # [r, Hq, D]
         if q_len == 1 and not module.training:
             out[b, rows] = _decode(states, b, q_rows[0], k_seq, v_seq, evict, cfg, scale)[None]
-        else:
+            continue
+        docs = _document_bounds(position_ids, b, rows) if rows.numel() == keep.numel() else None
+        if docs is None:
             o, _ = nosa_prefill(q_rows, k_seq, v_seq, evict(v_seq), cfg, scale)
-            out[b, rows] = o
+        else:
+            o, _ = nosa_prefill_varlen(q_rows, k_seq, v_seq, evict(v_seq), docs, cfg, scale)
+        out[b, rows] = o
     return out, None
+
+
+@contextlib.contextmanager
+def capture_attention_inputs(model, batch_row: int = 0):
+    """Record the attention inputs of every NOSA layer of ``model`` while active.
+
+    Yields a dict, filled as the model runs: attention module name (``model.layers.0.self_attn``)
+    -> (q [S, Hq, D], k [L, Hkv, D], v [L, Hkv, D]) of batch row ``batch_row``, detached (after
+    RoPE, the cache included). Only attributes of these modules are touched, and removed on exit:
+    outputs do not change and transformers' global attention registry is left alone."""
+    captured: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    modules = [(name, m) for name, m in model.named_modules() if name.endswith("self_attn")]
+    if not any(hasattr(m, MODULE_NAME) for _, m in modules):
+        raise ValueError(f"capture_attention_inputs: {type(model).__name__} is not a NOSA model (nosa.convert it)")
+
+    def hook(name):
+        def store(query, key, value):
+            captured[name] = tuple(t[batch_row].transpose(0, 1).detach() for t in (query, key, value))
+        return store
+
+    for name, m in modules:
+        m._nosa_capture = hook(name)
+    try:
+        yield captured
+    finally:
+        for _, m in modules:
+            m.__dict__.pop("_nosa_capture", None)
 
 
 def _decode(states, b, q, k_seq, v_seq, evict, cfg, scale) -> torch.Tensor:
@@ -177,12 +234,30 @@ def _decode(states, b, q, k_seq, v_seq, evict, cfg, scale) -> torch.Tensor:
 
 
 def _valid_keys(mask: torch.Tensor | None, bsz: int, kv_len: int, device) -> torch.Tensor:
+    """Real (non-padding) keys [B, L]: those some query row may attend to. (Not just the last row's:
+    with packed documents the last row sees only its own document.)"""
     if mask is None:
         return torch.ones(bsz, kv_len, dtype=torch.bool, device=device)
-    last_row = mask[:, 0, -1, :kv_len]  # the last query row sees every real key
-    if last_row.dtype != torch.bool:
-        last_row = last_row == 0
-    return last_row.expand(bsz, kv_len)
+    seen = mask[:, 0, :, :kv_len]
+    if seen.dtype != torch.bool:
+        seen = seen == 0
+    return seen.any(dim=1).expand(bsz, kv_len)
+
+
+def _document_bounds(position_ids: torch.Tensor | None, b: int, rows: torch.Tensor | None) -> torch.Tensor | None:
+    """cu_seqlens [docs + 1] of batch row b's real rows (``rows``, None: all) when its position_ids
+    restart (packed documents), else None. A document starts wherever a position is not its
+    predecessor's + 1."""
+    if position_ids is None:
+        return None
+    pos = position_ids[min(b, position_ids.shape[0] - 1)]
+    if rows is not None:
+        pos = pos.index_select(0, rows)
+    starts = (pos[1:] != pos[:-1] + 1).nonzero().squeeze(1) + 1
+    if starts.numel() == 0:
+        return None
+    ends = torch.tensor([0, pos.numel()], device=pos.device)
+    return torch.cat([ends[:1], starts, ends[1:]])
 
 
 def _attention_modules(model):

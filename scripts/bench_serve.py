@@ -27,17 +27,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build_model(path: str) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from nosa.tiny import tiny_llama
 
     sys.path.insert(0, os.path.join(ROOT, "tests", "serve"))
     from sglang_tiny import make_tokenizer
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=131072,
-                         bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(path)
+    tiny_llama(layers=2, hidden=256, heads=8, kv_heads=2, vocab=320, seed=0, intermediate=512,
+               max_positions=131072, bos_token_id=256, eos_token_id=257, tie_word_embeddings=False).save_pretrained(path)
     make_tokenizer(path)
 
 

@@ -65,10 +65,12 @@ def brute_force_row(q, k, v, cis, blocks, t, cfg, scale):
     return out
 
 
-@pytest.mark.parametrize("union_limit", [0, 2, 1000])  # row by row, mixed, always the chunk's union
+# inference paths: every chunk row by row (attend_gathered), whole chunks of shared + own keys
+@pytest.mark.parametrize("rest_tokens, row_rest_tokens", [(0, 0), (200, 1 << 20), (1 << 20, 0)])
 @pytest.mark.parametrize("dense_len", [0, 40])
-def test_sparse_prefill_matches_brute_force_over_its_selection(dense_len, union_limit, monkeypatch):
-    monkeypatch.setattr("nosa.attention.UNION_LIMIT", union_limit)
+def test_sparse_prefill_matches_brute_force_over_its_selection(dense_len, rest_tokens, row_rest_tokens, monkeypatch):
+    monkeypatch.setattr("nosa.attention.REST_TOKENS", rest_tokens)
+    monkeypatch.setattr("nosa.attention.ROW_REST_TOKENS", row_rest_tokens)
     length, hq, hkv, d = 180, 4, 2, 8
     cfg = NosaConfig.tiny(dense_len=dense_len)
     q, k, v = make(length, hq, hkv, d, seed=3)
@@ -169,9 +171,9 @@ def test_varlen_sequences_are_independent():
         nosa_prefill_varlen(q, k, v, cis, torch.tensor([0, 50, 40, 223]), cfg, 1.0)
 
 
-@pytest.mark.parametrize("union_limit", [0, 1000])
-def test_gradients_reach_q_k_v_and_eviction_head(union_limit, monkeypatch):
-    monkeypatch.setattr("nosa.attention.UNION_LIMIT", union_limit)
+@pytest.mark.parametrize("rest_tokens", [0, 1 << 20])
+def test_gradients_reach_q_k_v_and_eviction_head(rest_tokens, monkeypatch):
+    monkeypatch.setattr("nosa.attention.REST_TOKENS", rest_tokens)
     cfg = NosaConfig.tiny()
     length, hq, hkv, d = 130, 4, 2, 8
     q, k, v = (t.double().requires_grad_() for t in make(length, hq, hkv, d, seed=4))
@@ -277,16 +279,17 @@ def masked_reference(q, k, v, cis, sel, cfg, scale):
     return torch.einsum("nhl,lhd->nhd", torch.softmax(logits, dim=-1), v.repeat_interleave(group, 1))
 
 
-@pytest.mark.parametrize("union_limit", [0, 1, 2, 1000])
-def test_selected_attention_gradients_equal_autograd_reference(union_limit, monkeypatch):
-    """The hand-written backward of the selected-block attention (groups of rows over a shared union,
-    split rows, single rows) gives autograd's gradients of the masked float64 reference."""
-    monkeypatch.setattr("nosa.attention.UNION_LIMIT", union_limit)
+@pytest.mark.parametrize("rest_tokens, row_chunk", [(0, 48), (300, 48), (1 << 20, 48), (1 << 20, 16), (1 << 20, 7)])
+def test_selected_attention_gradients_equal_autograd_reference(rest_tokens, row_chunk, monkeypatch):
+    """The hand-written backward of the selected-block attention (groups with shared and per-row
+    keys, split groups, single rows, chunks across block boundaries) gives autograd's gradients of
+    the masked float64 reference."""
+    monkeypatch.setattr("nosa.attention.REST_TOKENS", rest_tokens)
     cfg = NosaConfig.tiny(topk_blocks=5, query_blocks=2)
     length, hq, hkv, d = 200, 6, 2, 8
     q, k, v = (t.double().requires_grad_() for t in make(length, hq, hkv, d, seed=12))
     cis = (torch.randn(length, hkv, dtype=torch.float64) * 0.5).requires_grad_()
-    out, sel = nosa_prefill(q, k, v, cis, cfg, 0.4, row_chunk=48)
+    out, sel = nosa_prefill(q, k, v, cis, cfg, 0.4, row_chunk=row_chunk)
     ref = masked_reference(q, k, v, cis, sel, cfg, 0.4)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
     weight = torch.randn_like(out)

@@ -10,30 +10,20 @@ transformers = pytest.importorskip("transformers")
 import nosa  # noqa: E402
 from nosa import NosaConfig, NosaDecodeState  # noqa: E402
 from nosa.hf import SUPPORTED_MODEL_TYPES  # noqa: E402
+from nosa.tiny import build_causal_lm, set_eviction_heads  # noqa: E402
 
-ARCHS = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-}
+ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def tiny_model(arch="llama", seed=0, attn="sdpa"):
-    torch.manual_seed(seed)
-    config_cls, model_cls = ARCHS[arch]
-    config = config_cls(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                        attn_implementation=attn, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    return model_cls(config).eval()
+    return build_causal_lm(arch, seed=seed, attn_implementation=attn, vocab_size=96, hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0,
+                           eos_token_id=1, bos_token_id=2).eval()
 
 
 def set_eviction(model, a, seed=0):
-    torch.manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nosa.EvictionHead):
-            with torch.no_grad():
-                m.scale.fill_(a)
-                m.proj.weight.normal_(0, 0.5)
+    set_eviction_heads(model, scale=a, std=0.5, seed=seed)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -111,7 +101,7 @@ def test_malformed_nosa_section_is_a_clear_error(tmp_path):
 
 
 def test_unsupported_architecture_lists_supported_ones():
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    gpt2 = build_causal_lm("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=50)
     with pytest.raises(ValueError) as err:
         nosa.convert(gpt2, NosaConfig.tiny())
     assert "'gpt2'" in str(err.value) and all(t in str(err.value) for t in SUPPORTED_MODEL_TYPES)
@@ -133,3 +123,76 @@ def test_training_reaches_eviction_head_and_lowers_loss():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def _packed(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(3, 96, (n,), generator=g) for n in lengths]
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return docs, torch.cat(docs)[None], positions[None]
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_packed_documents_get_the_logits_they_get_alone(sparse):
+    """A packed row (position_ids restarting per document, no cache, as nosa.train feeds it) gives
+    each document exactly its logits alone: dense (transformers' block-diagonal SDPA mask) and NOSA
+    (one nosa_prefill per document)."""
+    model = tiny_model()
+    if sparse:
+        nosa.convert(model, NosaConfig.tiny())
+        set_eviction(model, 0.7)
+    docs, row, positions = _packed([150, 37, 90])
+    with torch.no_grad():
+        packed = model(row, position_ids=positions, use_cache=False).logits[0]
+        without = model(row, use_cache=False).logits[0]  # one document: later ones see earlier ones
+        start = 0
+        for doc in docs:
+            alone = model(doc[None]).logits[0]
+            torch.testing.assert_close(packed[start : start + len(doc)], alone, atol=1e-5, rtol=1e-4)
+            start += len(doc)
+    assert (without[150:] - packed[150:]).abs().max() > 1e-2
+
+
+def test_capture_attention_inputs_changes_nothing_and_cleans_up():
+    from transformers import AttentionInterface
+
+    model = nosa.convert(tiny_model(), NosaConfig.tiny())
+    set_eviction(model, 0.7)
+    x = torch.randint(3, 96, (2, 140))
+    registered = AttentionInterface._global_mapping.get("nosa")
+    v_rows = []  # batch row 1's value states of layer 0, seen from outside through a forward hook
+    hook = model.model.layers[0].self_attn.v_proj.register_forward_hook(lambda m, i, o: v_rows.append(o[1]))
+    with torch.no_grad():
+        plain = model(x).logits
+        with nosa.hf.capture_attention_inputs(model, batch_row=1) as captured:
+            during = model(x).logits
+        after = model(x).logits
+    hook.remove()
+    assert torch.equal(plain, during) and torch.equal(plain, after)
+    assert sorted(captured) == [f"model.layers.{i}.self_attn" for i in range(2)]
+    q, k, v = captured["model.layers.1.self_attn"]
+    assert q.shape == (140, 4, 16) and k.shape == v.shape == (140, 2, 16)
+    assert torch.equal(captured["model.layers.0.self_attn"][2], v_rows[1].view(140, 2, 16))
+    assert not any("_nosa_capture" in m.__dict__ for m in model.modules())
+    assert AttentionInterface._global_mapping.get("nosa") is registered is nosa.hf.nosa_attention_forward
+    with pytest.raises(ValueError, match="not a NOSA model"):
+        with nosa.hf.capture_attention_inputs(tiny_model()):
+            pass
+
+
+def test_tiny_builder_and_eviction_helper_check_their_input():
+    model = nosa.tiny.tiny_llama(layers=1, hidden=32, heads=4, kv_heads=2, vocab=40, seed=3)
+    again = nosa.tiny.tiny_llama(layers=1, hidden=32, heads=4, kv_heads=2, vocab=40, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))  # seeded
+    assert model.config.head_dim == 8 and model.config.intermediate_size == 64
+    with pytest.raises(ValueError, match="hidden=30 must be a multiple of heads=4"):
+        nosa.tiny.tiny_llama(hidden=30, heads=4)
+    with pytest.raises(ValueError, match="no eviction heads; call nosa.convert first"):
+        set_eviction_heads(model, 1.0)
+    with pytest.raises(ValueError, match="model config"):
+        build_causal_lm("no-such-architecture")
+    nosa.convert(model, NosaConfig.tiny())
+    set_eviction_heads(model, 0.25, std=0.1, seed=1)
+    heads = [m for m in model.modules() if isinstance(m, nosa.EvictionHead)]
+    assert all(torch.equal(h.scale.detach(), torch.full((2,), 0.25)) and float(h.proj.bias.detach().abs().sum()) == 0
+               for h in heads)

@@ -1,14 +1,20 @@
 """Data: local files through ``datasets``, tokenised and packed to ``seq_len``.
 
-Rows are ``input_ids`` [seq_len] and ``labels`` [seq_len] (-100 where no loss is taken), plus
-``task`` (the synthetic task name, "" for plain text). Two kinds of source:
+Rows are ``input_ids`` [seq_len], ``labels`` [seq_len] (-100 where no loss is taken) and
+``position_ids`` [seq_len], plus ``task`` (the synthetic task name, "" for plain text). Two kinds
+of source:
 
 - plain text (``text_field`` only): tokens of all documents joined by EOS and cut into rows of
   exactly ``seq_len``; labels are the inputs.
 - supervised examples (``text`` + ``targets`` character spans, as written by nosa.train.synthetic):
   only target tokens carry labels; whole examples are packed greedily into rows (never split), the
-  rest of a row is right padding with no label. Padding at the end never changes earlier tokens
-  under causal attention, so rows need no attention mask.
+  rest of a row is right padding with no label.
+
+Per-document attention: ``position_ids`` restart at 0 where a document starts (after each EOS of
+plain text, at each packed example, at the padding), so a document in a packed row attends only to
+itself and sees the positions it would see alone. Passed with ``use_cache=False`` they give dense
+(SDPA) attention a block-diagonal causal mask (transformers builds it from the restarts) and NOSA
+attention one ``nosa_prefill_varlen`` sequence per document (nosa.hf).
 
 ``batch_at`` maps (step, micro step, rank) to a fixed set of rows (a seeded permutation per epoch),
 so a resumed run sees exactly the batches an uninterrupted one would.
@@ -86,18 +92,18 @@ def pack(ds, seq_len: int, pad_id: int, eos_id: int | None, examples: bool):
     """Rows of exactly ``seq_len`` tokens (see the module docstring)."""
     import datasets
 
-    rows = {"input_ids": [], "labels": [], "task": []}
+    rows = {"input_ids": [], "labels": [], "position_ids": [], "task": []}
     if examples:
-        ids_row, lab_row, task_row = [], [], ""
+        ids_row, lab_row, pos_row, task_row = [], [], [], ""
         for ex in ds:
             ids, lab = ex["input_ids"][-seq_len:], ex["labels"][-seq_len:]
             if ids_row and len(ids_row) + len(ids) > seq_len:
-                _flush(rows, ids_row, lab_row, task_row, seq_len, pad_id)
-                ids_row, lab_row = [], []
+                _flush(rows, ids_row, lab_row, pos_row, task_row, seq_len, pad_id)
+                ids_row, lab_row, pos_row = [], [], []
             task_row = ex["task"] if not ids_row else task_row
-            ids_row, lab_row = ids_row + ids, lab_row + lab
+            ids_row, lab_row, pos_row = ids_row + ids, lab_row + lab, pos_row + list(range(len(ids)))
         if ids_row:
-            _flush(rows, ids_row, lab_row, task_row, seq_len, pad_id)
+            _flush(rows, ids_row, lab_row, pos_row, task_row, seq_len, pad_id)
     else:
         stream: list[int] = []
         for ex in ds:
@@ -106,18 +112,29 @@ def pack(ds, seq_len: int, pad_id: int, eos_id: int | None, examples: bool):
             chunk = stream[start : start + seq_len]
             rows["input_ids"].append(chunk)
             rows["labels"].append(list(chunk))
+            rows["position_ids"].append(document_positions(chunk, eos_id))
             rows["task"].append("")
     if not rows["input_ids"]:
         raise ValueError(f"the data holds fewer than seq_len={seq_len} tokens: no training row")
     out = datasets.Dataset.from_dict(rows)
-    out.set_format("torch", columns=["input_ids", "labels"], output_all_columns=True)
+    out.set_format("torch", columns=["input_ids", "labels", "position_ids"], output_all_columns=True)
     return out
 
 
-def _flush(rows, ids, labels, task, seq_len, pad_id):
+def document_positions(ids: list[int], eos_id: int | None) -> list[int]:
+    """Positions that restart at 0 after every EOS (the EOS ends its document)."""
+    out, pos = [], 0
+    for tok in ids:
+        out.append(pos)
+        pos = 0 if tok == eos_id else pos + 1
+    return out
+
+
+def _flush(rows, ids, labels, positions, task, seq_len, pad_id):
     pad = seq_len - len(ids)
     rows["input_ids"].append(ids + [pad_id] * pad)
     rows["labels"].append(labels + [IGNORE] * pad)
+    rows["position_ids"].append(positions + list(range(pad)))  # the padding: a document of its own
     rows["task"].append(task)
 
 
@@ -172,7 +189,8 @@ def prepare_synthetic(sec, seq_len: int, vocab_size: int, tokenizer_path: str | 
 def batch_at(
     rows, step: int, micro: int, grad_accum: int, micro_batch: int, rank: int, world: int, seed: int
 ) -> dict[str, torch.Tensor]:
-    """The micro batch of (optimizer step, micro step, rank): input_ids/labels [micro_batch, seq_len]."""
+    """The micro batch of (optimizer step, micro step, rank): input_ids/labels/position_ids
+    [micro_batch, seq_len] (position_ids: see the module docstring)."""
     n = len(rows)
     first = ((step * grad_accum + micro) * world + rank) * micro_batch
     index = []
@@ -181,4 +199,4 @@ def batch_at(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
         index.append(int(perm[pos]))
     batch = rows[index]
-    return {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    return {"input_ids": batch["input_ids"], "labels": batch["labels"], "position_ids": batch["position_ids"]}

@@ -130,7 +130,10 @@ def _train_phase(
         loss_sum = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
             batch = batch_at(rows, step, micro, cfg.grad_accum, cfg.micro_batch, rank, world, cfg.seed)
-            out = engine(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device))
+            # position_ids restart per packed document and, with no cache, give both the dense and
+            # the NOSA attention a per-document mask (nosa.train.data)
+            out = engine(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device),
+                         position_ids=batch["position_ids"].to(device), use_cache=False)
             engine.backward(out.loss)
             engine.step()
             loss_sum += out.loss.detach().float()

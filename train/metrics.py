@@ -11,7 +11,6 @@ selections (row t selects as decode step t would):
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from nosa.attention import nosa_prefill
 from nosa.config import NosaConfig
 from nosa.eviction import MODULE_NAME
+from nosa.hf import capture_attention_inputs
 from nosa.select import blocks_entering, selection_mask
 from nosa.train.data import IGNORE
 
@@ -35,7 +35,10 @@ def evaluate(model, rows, limit: int) -> dict[str, float]:
         row = rows[i]
         ids = row["input_ids"][None].to(device)
         labels = row["labels"][None].to(device)
-        out = model(input_ids=ids, labels=labels)
+        docs = {}  # packed rows: each document attends only to itself (see nosa.train.data)
+        if row.get("position_ids") is not None:
+            docs = {"position_ids": torch.as_tensor(row["position_ids"])[None].to(device), "use_cache": False}
+        out = model(input_ids=ids, labels=labels, **docs)
         losses.append(float(out.loss))
         target = labels[0, 1:]
         mask = target != IGNORE
@@ -53,25 +56,6 @@ def evaluate(model, rows, limit: int) -> dict[str, float]:
     return result
 
 
-@contextlib.contextmanager
-def capture_attention_inputs():
-    """While active, every NOSA attention call stores (q [S,Hq,D], k, v [S,Hkv,D]) of batch row 0
-    on its module as ``_nosa_capture``."""
-    from transformers import AttentionInterface
-
-    from nosa import hf
-
-    def capturing(module, query, key, value, attention_mask, **kw):
-        module._nosa_capture = tuple(t[0].transpose(0, 1).detach() for t in (query, key, value))
-        return hf.nosa_attention_forward(module, query, key, value, attention_mask, **kw)
-
-    AttentionInterface.register(hf.ATTN_IMPLEMENTATION, capturing)
-    try:
-        yield
-    finally:
-        hf.register()
-
-
 @torch.no_grad()
 def selection_stats(model, input_ids: torch.Tensor, cfg: NosaConfig, mass_rows: int = 64) -> dict[str, float]:
     """Selection statistics of one sequence input_ids [L] (see the module docstring), per layer
@@ -79,15 +63,14 @@ def selection_stats(model, input_ids: torch.Tensor, cfg: NosaConfig, mass_rows: 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    with capture_attention_inputs():
+    with capture_attention_inputs(model) as captured:
         model(input_ids=input_ids[None].to(device))
     model.train(was_training)
-    attns = [(n, m) for n, m in model.named_modules() if hasattr(m, "_nosa_capture")]
     out: dict[str, float] = {}
     per = defaultdict(list)
-    for name, attn in attns:
+    for name, (q, k, v) in captured.items():
+        attn = model.get_submodule(name)
         layer = int(name.split("layers.")[1].split(".")[0])
-        q, k, v = attn.__dict__.pop("_nosa_capture")
         stats = _layer_stats(q, k, v, getattr(attn, MODULE_NAME)(v), cfg, attn.scaling, mass_rows)
         for key, value in stats.items():
             out[f"select/{key}/layer{layer}"] = value

@@ -11,8 +11,9 @@ from nosa.train.config import check_model_path
 
 
 def build_model(build: dict, tokenizer, dtype=torch.float32):
-    """A randomly initialised causal LM from a config dict (``model_type`` default llama)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A randomly initialised causal LM from a config dict (``model_type`` default llama), built by
+    nosa.tiny.build_causal_lm (the project's one model builder) from the global RNG state."""
+    from nosa.tiny import build_causal_lm
 
     spec = dict(build)
     kind = spec.pop("model_type", "llama")
@@ -21,10 +22,9 @@ def build_model(build: dict, tokenizer, dtype=torch.float32):
     spec.setdefault("bos_token_id", tokenizer.bos_token_id)
     spec.setdefault("eos_token_id", tokenizer.eos_token_id)
     try:
-        hf_config = AutoConfig.for_model(kind, **spec)
-    except (TypeError, ValueError) as err:
+        model = build_causal_lm(kind, dtype=dtype, **spec)
+    except ValueError as err:
         raise ValueError(f"model.build: {err}") from err
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=dtype)
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(f"model.build.vocab_size={model.config.vocab_size} < tokenizer size {len(tokenizer)}")
     return model

@@ -51,38 +51,16 @@ def make_checkpoint(path: str, nosa_config=None, seed: int = 0, evict_scale: flo
     """A 2-layer Llama (hidden 128, GQA 4/2, head_dim 32). With ``nosa_config`` the model is
     converted by nosa.convert and its eviction heads get random weights and A = ``evict_scale``,
     so the checkpoint carries a ``nosa`` section and non-zero eviction heads."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import nosa
+    from nosa.tiny import set_eviction_heads, tiny_llama
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        bos_token_id=256,
-        eos_token_id=257,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # larger logits so greedy ties are unlikely
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
+    # larger weights (init_std) so greedy ties are unlikely
+    model = tiny_llama(layers=2, hidden=128, heads=4, kv_heads=2, vocab=VOCAB, seed=seed, intermediate=256,
+                       max_positions=4096, rope_theta=10000.0, bos_token_id=256, eos_token_id=257,
+                       tie_word_embeddings=False, init_std=0.08)
     if nosa_config is not None:
         nosa.convert(model, nosa_config)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if ".nosa_evict.proj." in name:
-                    p.normal_(0.0, 0.3)
-                elif name.endswith(".nosa_evict.scale"):
-                    p.fill_(evict_scale)
+        set_eviction_heads(model, scale=evict_scale, std=0.3, seed=seed, bias_std=0.3)
         model.config._attn_implementation = "sdpa"  # keep config.json loadable without nosa
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)

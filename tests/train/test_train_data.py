@@ -85,6 +85,24 @@ def test_text_files_are_packed_to_seq_len(tmp_path, tok, kind):
     assert all(torch.equal(r["input_ids"], r["labels"]) for r in rows)
     stream = torch.cat([r["input_ids"] for r in rows])
     assert (stream == tok.eos_token_id).sum() >= len(docs) - 2  # documents joined by EOS
+    for r in rows:  # positions restart right after each EOS: one document per run of positions
+        ids, pos = r["input_ids"], r["position_ids"]
+        restart = torch.nonzero(pos[1:] == 0).squeeze(1) + 1
+        assert torch.equal(restart, torch.nonzero(ids[:-1] == tok.eos_token_id).squeeze(1) + 1)
+        assert ((pos[1:] == pos[:-1] + 1) | (pos[1:] == 0)).all()
+
+
+def test_packed_examples_restart_positions_per_example(tmp_path, tok):
+    synthetic.write_dataset(str(tmp_path / "d"), ["passkey"], 4, 1, 100, seed=2, measure=token_counter(tok))
+    lengths = [len(tok(json.loads(x)["text"], add_special_tokens=False)["input_ids"])
+               for x in (tmp_path / "d" / "train.jsonl").read_text().splitlines()]
+    rows = build_rows([str(tmp_path / "d" / "train.jsonl")], tok, 256)
+    assert len(rows) == 2  # two examples of at most 100 tokens per row
+    for r, pair in zip(rows, (lengths[:2], lengths[2:])):
+        want = [p for n in pair for p in range(n)] + list(range(256 - sum(pair)))  # padding: its own run
+        assert r["position_ids"].tolist() == want
+        batch = batch_at(rows, 0, 0, 1, 2, 0, 1, seed=0)
+        assert batch["position_ids"].shape == batch["input_ids"].shape == (2, 256)
 
 
 def test_too_little_data(tmp_path, tok):

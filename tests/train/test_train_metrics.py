@@ -5,23 +5,13 @@ import torch
 
 import nosa
 from nosa.config import NosaConfig
+from nosa.tiny import tiny_llama
 from nosa.train.metrics import evaluate, selection_stats
 
 
 def _model(cfg):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    hf = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    return nosa.convert(LlamaForCausalLM(hf), cfg).eval()
+    model = tiny_llama(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64, intermediate=64, max_positions=512)
+    return nosa.convert(model, cfg).eval()
 
 
 def test_mass_is_one_when_the_budget_covers_everything():

@@ -1,0 +1,139 @@
+"""Training step time, dense vs NOSA, side by side in one run.
+
+    .venv/bin/python scripts/bench_train.py [--quick] [--config configs/train/tiny.yaml] [--out results/train.json]
+
+Builds the model of the training config (``model.build``, random weights, vocabulary of
+``tokenizer.vocab_size``), then times full optimizer steps (forward + backward + AdamW step on
+``micro_batch`` rows of ``seq_len`` random tokens) of the dense model and of the same weights
+converted to NOSA with the config's ``nosa`` section and eviction heads switched on (A != 0, so
+the selection is what a fine-tuned model's would be). Each variant gets warm-up steps, then the
+median of the timed steps is reported; the variants alternate step by step so machine noise hits
+both alike. Also times the NOSA forward alone (``--prefill-context``, default 32K, released
+NosaConfig) on one layer's shapes, the extend path SGLang runs. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_step(model, batch: dict, lr: float):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+    def step() -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = model(**batch, use_cache=False).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    return step
+
+
+def prefill_case(context: int, hq: int = 8, hkv: int = 2, d: int = 32, repeats: int = 1) -> dict:
+    """nosa_prefill (no grad) vs dense SDPA over one layer's q/k/v of ``context`` tokens."""
+    from nosa import NosaConfig, nosa_prefill
+    from nosa.attention import dense_attention
+
+    cfg = NosaConfig()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(context, h, d, generator=g) for h in (hq, hkv, hkv))
+    cis = torch.rand(context, hkv, generator=g)
+    times = {"dense_sdpa": [], "nosa_prefill": []}
+    with torch.no_grad():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dense_attention(q, k, v, d**-0.5)
+            times["dense_sdpa"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            nosa_prefill(q, k, v, cis, cfg, d**-0.5)
+            times["nosa_prefill"].append(time.perf_counter() - t0)
+    out = {"context": context, "heads": f"{hq}/{hkv}", "head_dim": d, "nosa_config": cfg.to_dict()}
+    for name, ts in times.items():
+        out[f"{name}_s"] = round(min(ts), 3)
+    out["ratio_nosa_over_dense"] = round(out["nosa_prefill_s"] / out["dense_sdpa_s"], 2)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=os.path.join(ROOT, "configs", "train", "tiny.yaml"))
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per variant (default 6)")
+    ap.add_argument("--evict-scale", type=float, default=0.5, help="A of the NOSA variant's eviction heads")
+    ap.add_argument("--prefill-context", type=int, default=32768, help="0 to skip the prefill timing")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's choice; 1 gives stable figures on a shared machine)")
+    ap.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed steps, prefill at 8K")
+    ap.add_argument("--out", default=os.path.join(ROOT, "results", "train.json"))
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of the training config")
+    args = ap.parse_args()
+    if args.quick:
+        args.warmup, args.steps = 1, 3
+        args.prefill_context = min(args.prefill_context, 8192)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import nosa
+    from nosa.tiny import build_causal_lm, set_eviction_heads
+
+
+    from nosa.train.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    torch.manual_seed(cfg.seed)
+    spec = dict(cfg.model.build)
+    spec.setdefault("vocab_size", cfg.tokenizer.vocab_size)
+    dense = build_causal_lm(seed=cfg.seed, **spec).train()
+    sparse = nosa.convert(copy.deepcopy(dense), cfg.nosa_config).train()
+    set_eviction_heads(sparse, scale=args.evict_scale, seed=cfg.seed)
+    g = torch.Generator().manual_seed(cfg.seed)
+    ids = torch.randint(3, dense.config.vocab_size, (cfg.micro_batch, cfg.seq_len), generator=g)
+    batch = {"input_ids": ids, "labels": ids}
+    steps = {"dense": make_step(dense, batch, cfg.optim.lr), "nosa": make_step(sparse, batch, cfg.optim.lr)}
+    times = {name: [] for name in steps}
+    cpu = {name: [] for name in steps}
+    for i in range(args.warmup + args.steps):
+        for name, step in steps.items():
+            dt, dc = step()
+            if i >= args.warmup:
+                times[name].append(dt)
+                cpu[name].append(dc)
+    result = {
+        "command": " ".join(sys.argv), "config": os.path.relpath(args.config, ROOT), "overrides": args.overrides,
+        "device": "cpu", "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "seq_len": cfg.seq_len, "micro_batch": cfg.micro_batch, "nosa_config": cfg.nosa_config.to_dict(),
+        "model": {k: v for k, v in spec.items()}, "evict_scale": args.evict_scale,
+        "step_s": {name: {"median": round(statistics.median(ts), 3), "min": round(min(ts), 3),
+                          "all": [round(t, 3) for t in ts]} for name, ts in times.items()},
+        # CPU seconds of this process per step (the least of the timed steps): less sensitive to
+        # other load on a shared machine than wall time
+        "step_cpu_s": {name: round(min(ts), 3) for name, ts in cpu.items()},
+    }
+    result["ratio_nosa_over_dense"] = round(result["step_s"]["nosa"]["median"] / result["step_s"]["dense"]["median"], 2)
+    result["cpu_ratio_nosa_over_dense"] = round(result["step_cpu_s"]["nosa"] / result["step_cpu_s"]["dense"], 2)
+    print(json.dumps({k: result[k] for k in ("step_s", "ratio_nosa_over_dense", "step_cpu_s",
+                                              "cpu_ratio_nosa_over_dense")}), flush=True)
+    if args.prefill_context:
+        result["prefill"] = prefill_case(args.prefill_context)
+        print(json.dumps(result["prefill"]), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
