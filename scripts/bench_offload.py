@@ -14,6 +14,14 @@
 - ``decode``: decode step time with offloading on vs off at ``--contexts`` (default 32768), batch 4,
   bench_serve's streamed measurement (median interval between streamed tokens while the whole
   batch decodes). Recall is not overlapped with compute yet.
+- ``schedule``: the same decode step with offloading off, on, and on with the recall scheduler
+  ($NOSA_RECALL_SCHEDULER=1: the next layer's predicted blocks prefetched while a layer computes),
+  the stall share of the step and the prefetch hit rate per layer (demand misses avoided), from
+  the server's per-step timeline (nosa.serve.step_stats).
+- ``trace``: Poisson arrivals of requests of mixed lengths (log-uniform in ``--trace-lengths``,
+  default 1K-64K, --quick 512-8K) under one device budget, with the scheduler, admission off vs
+  on ($NOSA_ADMISSION=1): throughput and p50/p99 time per output token. The admission-on
+  server's timeline is saved (``--timeline``) and plotted (``--dashboard``, scripts/serve_dashboard.py).
 Not a test: nothing is asserted. Writes JSON (and prints each row).
 """
 
@@ -38,7 +46,9 @@ def _server(ckpt, args, log, env=None, threads=None):
     env = dict(env or {})
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    return ServerProcess(ckpt, ["--skip-server-warmup", "--dtype", "float32", "--mem-fraction-static", "0.3", *args],
+    # a long prefill forward on a shared 2-core CPU can outlast SGLang's 300 s scheduler watchdog
+    return ServerProcess(ckpt, ["--skip-server-warmup", "--dtype", "float32", "--mem-fraction-static", "0.3",
+                                "--watchdog-timeout", "7200", *args],
                          log, env=env).wait_ready(timeout=600)
 
 
@@ -193,8 +203,8 @@ def bench_decode(args, work, ckpt) -> dict:
 
     cfg = NosaConfig()
     contexts = [8192] if args.quick else args.contexts
-    max_ctx = max(contexts) + args.decode_tokens + 16
-    common = ["--attention-backend", "nosa", "--chunked-prefill-size", "-1", "--context-length", str(max_ctx),
+    max_ctx = max(contexts) + args.new_tokens + 16
+    common = ["--attention-backend", "nosa", "--chunked-prefill-size", "4096", "--context-length", str(max_ctx),
               "--max-running-requests", str(args.batch)]
     rows = []
     for mode in ("off", "on"):
@@ -222,10 +232,150 @@ def bench_decode(args, work, ckpt) -> dict:
     return {"rows": rows, "speed_on_over_off": ratio}
 
 
+# ---- recall scheduling: decode step off / on / on + scheduler ------------------------------------
+def _timeline(stats_file: str, since: float) -> list[dict]:
+    with open(stats_file) as f:
+        return [r for r in json.load(f).get("timeline", []) if r["time"] >= since]
+
+
+def _timeline_summary(records: list[dict], batch: int | None = None) -> dict:
+    if batch is not None:
+        records = [r for r in records if r["batch"] == batch] or records
+    if not records:
+        return {}
+    layers = len(records[0]["layers"]["selected"])
+    tot = {k: [sum(r["layers"][k][i] for r in records) for i in range(layers)] for k in records[0]["layers"]}
+    wall = sum(r["wall_seconds"] for r in records)
+    return {"steps": len(records), "stall_share": round(sum(r["stall_seconds"] for r in records) / wall, 4),
+            "ms_layers_per_step": round(1000 * wall / len(records), 2),
+            "ms_stall_per_step": round(1000 * sum(r["stall_seconds"] for r in records) / len(records), 3),
+            "ms_recall_per_step": round(1000 * sum(sum(r["layers"]["recall_seconds"]) for r in records)
+                                        / len(records), 3),
+            "hit_rate": round(sum(tot["hits"]) / max(sum(tot["selected"]), 1), 4),
+            "demand_misses_per_layer": tot["misses"], "prefetched_per_layer": tot["prefetched"],
+            "prefetch_hits_per_layer": tot["prefetch_hits"],
+            "prefetch_hit_rate_per_layer": [round(p / max(p + m, 1), 4)
+                                            for p, m in zip(tot["prefetch_hits"], tot["misses"])],
+            "prefetch_precision_per_layer": [round(h / max(p, 1), 4)
+                                             for h, p in zip(tot["prefetch_hits"], tot["prefetched"])]}
+
+
+def bench_schedule(args, work, ckpt) -> dict:
+    from bench_serve import measure
+
+    from nosa.config import NosaConfig
+
+    cfg = NosaConfig()
+    contexts = [8192] if args.quick else args.contexts
+    max_ctx = max(contexts) + args.decode_tokens + 16
+    common = ["--attention-backend", "nosa", "--chunked-prefill-size", "4096", "--context-length", str(max_ctx),
+              "--max-running-requests", str(args.batch)]
+    rows = []
+    for mode in ("off", "on", "scheduled"):
+        stats = os.path.join(work, f"sched_{mode}_stats.json")
+        if mode == "off":
+            flags, env = ["--max-total-tokens", str(args.batch * max_ctx + 1024)], {}
+        else:
+            flags = ["--page-size", str(cfg.block_size)]
+            env = _offload_env(args.batch * max_ctx + 1024, args.batch * cfg.budget_tokens, stats)
+            if mode == "scheduled":
+                env["NOSA_RECALL_SCHEDULER"] = "1"
+        server = _server(ckpt, [*common, *flags], os.path.join(work, f"sched_{mode}.log"), env, args.threads)
+        try:
+            measure(server, 512, args.batch, 16)  # warm-up
+            for context in contexts:
+                since = time.time()
+                row = {"mode": mode, **measure(server, context, args.batch, args.decode_tokens)}
+                if mode != "off":
+                    time.sleep(1.5)
+                    row.update(_timeline_summary(_timeline(stats, since), args.batch))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        finally:
+            server.stop()
+    ratio = {}
+    for context in contexts:
+        by = {r["mode"]: r for r in rows if r["context"] == context}
+        ratio[str(context)] = {m: round(by["off"]["ms_per_decode_step"] / by[m]["ms_per_decode_step"], 3)
+                               for m in ("on", "scheduled")}
+    return {"rows": rows, "speed_over_off": ratio}
+
+
+# ---- a Poisson trace, admission off vs on ----------------------------------------------------
+def bench_trace(args, work, ckpt) -> dict:
+    import math
+    import random
+    import statistics
+    import threading
+
+    from bench_serve import _stream
+
+    from nosa.config import NosaConfig
+
+    cfg = NosaConfig()
+    lo, hi = (512, 8192) if args.quick else args.trace_lengths
+    count = args.trace_requests if not args.quick else min(args.trace_requests, 10)
+    rng = random.Random(0)
+    lengths = [int(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(count)]
+    arrivals, t = [], 0.0
+    for _ in range(count):
+        t += rng.expovariate(args.trace_rate)
+        arrivals.append(t)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]
+    device = args.trace_budget_requests * cfg.budget_tokens
+    host = sum(lengths) + count * (args.trace_new_tokens + 64) + 4096
+    out = {"lengths": lengths, "arrivals_s": [round(a, 2) for a in arrivals], "device_kv_tokens": device,
+           "new_tokens": args.trace_new_tokens, "rate_per_s": args.trace_rate}
+    for mode in ("admission_off", "admission_on"):
+        stats = os.path.join(work, f"trace_{mode}_stats.json")
+        env = {**_offload_env(host, device, stats), "NOSA_RECALL_SCHEDULER": "1"}
+        if mode == "admission_on":
+            env.update({"NOSA_ADMISSION": "1", "NOSA_DEVICE_EXTRA_SLOTS": str(args.trace_extra_slots)})
+        server = _server(ckpt, ["--attention-backend", "nosa", "--page-size", str(cfg.block_size),
+                                "--context-length", str(hi + args.trace_new_tokens + 64), "--chunked-prefill-size",
+                                "4096"], os.path.join(work, f"trace_{mode}.log"), env, args.threads)
+        try:
+            _stream(server.url, prompts[0][:256], 4, time.perf_counter(), [])  # warm-up
+            start = time.perf_counter()
+            since = time.time()
+            streams = [[] for _ in prompts]
+
+            def run(i):
+                time.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
+                _stream(server.url, prompts[i], args.trace_new_tokens, start, streams[i])
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            end = max(s[-1][0] for s in streams)
+            tpot = [(s[-1][0] - s[0][0]) / max(s[-1][1] - s[0][1], 1) for s in streams]
+            ttft = [s[0][0] - a for s, a in zip(streams, arrivals)]
+            time.sleep(1.5)
+            timeline = _timeline(stats, since)
+            row = {"mode": mode, "seconds": round(end, 2),
+                   "output_tokens_per_s": round(sum(s[-1][1] for s in streams) / end, 3),
+                   "tpot_ms_p50": round(1000 * statistics.median(tpot), 2),
+                   "tpot_ms_p99": round(1000 * sorted(tpot)[min(len(tpot) - 1, int(0.99 * len(tpot)))], 2),
+                   "ttft_s_p50": round(statistics.median(ttft), 2), **_timeline_summary(timeline)}
+            with open(stats) as f:
+                final = json.load(f)
+            row["admission"] = final.get("admission")
+            print(json.dumps(row), flush=True)
+            out[mode] = row
+            if mode == "admission_on" and args.timeline:
+                with open(args.timeline, "w") as f:
+                    json.dump(timeline, f)
+        finally:
+            server.stop()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=["hitrate", "capacity", "decode"],
-                    choices=["hitrate", "capacity", "decode"])
+                    choices=["hitrate", "capacity", "decode", "schedule", "trace"])
     ap.add_argument("--checkpoint", default=os.path.join(ROOT, "runs", "tiny", "nosa"),
                     help="a NOSA checkpoint with fine-tuned eviction heads (hitrate)")
     ap.add_argument("--train-length", type=int, default=None, help="its training length (default: from the run)")
@@ -238,6 +388,15 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=160,
                     help="tokens per request in the decode part (enough steps with the whole batch decoding)")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the servers")
+    ap.add_argument("--trace-lengths", type=int, nargs=2, default=[1024, 65536], help="trace: prompt lengths lo hi")
+    ap.add_argument("--trace-requests", type=int, default=16)
+    ap.add_argument("--trace-rate", type=float, default=0.05, help="trace: Poisson arrivals per second")
+    ap.add_argument("--trace-new-tokens", type=int, default=48)
+    ap.add_argument("--trace-budget-requests", type=int, default=4, help="trace: device budget in requests' budgets")
+    ap.add_argument("--trace-extra-slots", type=int, default=4, help="trace: NOSA_DEVICE_EXTRA_SLOTS with admission")
+    ap.add_argument("--timeline", default=os.path.join(ROOT, "results", "serve_timeline.json"),
+                    help="trace: the admission-on server's per-step timeline")
+    ap.add_argument("--dashboard", default=os.path.join(ROOT, "results", "serve_dashboard.png"))
     ap.add_argument("--quick", action="store_true", help="hitrate at 1x/2x, capacity at 32K, decode at 8K")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "offload.json"))
     args = ap.parse_args()
@@ -256,18 +415,28 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="nosa_offload_")
     report = {"command": " ".join(sys.argv), "device": "cpu", "cpus": os.cpu_count(), "threads": args.threads}
     ckpt = None
-    if {"capacity", "decode"} & set(args.parts):
+    if {"capacity", "decode", "schedule", "trace"} & set(args.parts):
         ckpt = os.path.join(work, "tiny-llama")
         build_model(ckpt)
         report["model"] = "llama 2 layers, hidden 256, GQA 8/2, fp32, random weights (bench_serve's)"
+    if "hitrate" in args.parts:
+        report["hitrate"] = bench_hitrate(args, work)
+    if "capacity" in args.parts:
+        report["capacity"] = bench_capacity(args, work, ckpt)
+    if "decode" in args.parts:
+        report["decode"] = bench_decode(args, work, ckpt)
+    if "schedule" in args.parts:
+        report["schedule"] = bench_schedule(args, work, ckpt)
+    if "trace" in args.parts:
+        report["trace"] = bench_trace(args, work, ckpt)
+        if args.timeline and args.dashboard:
+            from serve_dashboard import load_timeline, plot
+
+            plot(load_timeline(args.timeline), args.dashboard, "nosa serving dashboard (trace, admission on)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    parts = {"hitrate": lambda: bench_hitrate(args, work), "capacity": lambda: bench_capacity(args, work, ckpt),
-             "decode": lambda: bench_decode(args, work, ckpt)}
-    for part in args.parts:  # the JSON is rewritten after each part, so a late failure keeps the others
-        report[part] = parts[part]()
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {part} to {args.out}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

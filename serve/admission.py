@@ -1,4 +1,5 @@
-"""I/O-adaptive admission for the offloading engine ($NOSA_ADMISSION=1 with $NOSA_OFFLOAD=1).
+"""I/O-adaptive admission for the offloading engine ($NOSA_ADMISSION=1 with $NOSA_OFFLOAD=1;
+nosa.serve.offload_config).
 
 The policy (every decision is counted in ``decisions`` and logged at debug level):
 
@@ -32,23 +33,14 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-ENV_ADMISSION = "NOSA_ADMISSION"
 PROBE_ITEMS = 256
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 CONTROLLER: "Admission | None" = None  # the scheduler process's controller (set by the backend)
-
-
-def admission_enabled() -> bool:
-    value = os.environ.get(ENV_ADMISSION, "0").strip().lower()
-    if value not in ("0", "1", "", "false", "true", "off", "on"):
-        raise ValueError(f"nosa backend: ${ENV_ADMISSION}={value!r} must be 1 (on) or 0 (off)")
-    return value in ("1", "true", "on")
 
 
 @dataclass(frozen=True)
@@ -203,3 +195,12 @@ def register_hooks() -> None:
         return min(n, ctl.allowed_new(running_bs))
 
     HookRegistry.register(f"{_SCHEDULER}.get_num_allocatable_reqs", allocatable, HookType.AROUND)
+
+
+def verify_hooks() -> None:
+    """Start-up check (the backend calls it): the scheduler hook took effect in this process."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    if getattr(Scheduler.get_num_allocatable_reqs, "__wrapped__", None) is None:
+        raise RuntimeError(f"nosa admission: the hook {_SCHEDULER}.get_num_allocatable_reqs did not take effect "
+                           "with this SGLang version; run without $NOSA_ADMISSION")

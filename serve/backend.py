@@ -13,7 +13,11 @@ the decode state reads through:
 - offloading on ($NOSA_OFFLOAD=1, nosa.serve.offload_config): SGLang's pool is the host pool
   (nosa.serve.host_pool); decode resolves through the device block cache (nosa.serve.block_cache),
   extend runs ``NosaDecodeState.prefill``, which reads only the union of each chunk's blocks
-  (``nosa.serve.offload_kv.OffloadKV``).
+  (``nosa.serve.offload_kv.OffloadKV``). With $NOSA_RECALL_SCHEDULER=1 the cache's copies go
+  through the recall scheduler and, once layer l's blocks are resolved, layer l + 1's predicted
+  blocks are prefetched (nosa.serve.recall_scheduler); with $NOSA_ADMISSION=1 the admission
+  controller (nosa.serve.admission) lends slots and holds new requests back. Per-step counters:
+  nosa.serve.step_stats.
 Per-request state (one ``NosaDecodeState`` per (request row, layer)) lives in
 nosa.serve.states.RequestStates, attached to SGLang's ReqToTokenPool so that finishing, aborting
 or retracting a request frees it and its device block slots.
@@ -88,15 +92,50 @@ class NosaAttnBackend(AttentionBackend):
                                  "other backends cannot read the host pool")
         host_pool.verify(model_runner, settings, self.config)
         pool = self.token_to_kv_pool
+        from nosa.serve.step_stats import StepStats
+
+        scheduler = None
+        if settings.schedule:
+            from nosa.serve.recall_scheduler import RecallScheduler
+
+            scheduler = RecallScheduler(self.num_layers, settings.chunk_items)
         cache = DeviceBlockCache(
             self.num_layers, settings.max_requests(self.config), self.num_kv_heads,
             settings.slots_per_head(self.config), self.config.block_size, self.head_dim, pool.v_head_dim,
-            pool.dtype, self.device,
+            pool.dtype, self.device, scheduler=scheduler, home_slots=settings.home_slots(self.config),
         )
         self.states.on_free.append(cache.release)
-        self.states.extra_counts = lambda: {"device_slots_in_use": cache.resident_slots(),
-                                            "offload": {k: list(v) for k, v in cache.stats.items()}}
+        control = self._init_admission(settings, cache, pool) if settings.admission else None
+        self.step_stats = StepStats(cache, scheduler, control)
+        self._stats_written = 0.0
+
+        def counts():
+            out = {"device_slots_in_use": cache.resident_slots(),
+                   "offload": {k: list(v) for k, v in cache.stats.items()}, "timeline": self.step_stats.snapshot()}
+            if scheduler is not None:
+                out["scheduler"] = {k: list(v) for k, v in scheduler.stats.items()}
+            if control is not None:
+                out["admission"] = control.snapshot()
+            return out
+
+        self.states.extra_counts = counts
         return cache
+
+    def _init_admission(self, settings, cache, pool):
+        """The admission controller, seeded by a start-up probe of the link (nosa.serve.admission)."""
+        from nosa.serve import admission
+
+        admission.verify_hooks()
+        cfg = self.config
+        control = admission.Admission(
+            admission.AdmissionPolicy(max_extra=settings.extra_slots), cache.item_bytes, cfg.topk_blocks,
+            bound_items=(cfg.query_blocks + 1) * self.num_kv_heads * self.num_layers)
+        bandwidth, nbytes, seconds = admission.probe_bandwidth([cache.k[0], cache.v[0], cache.cis[0]], pool.items(0))
+        control.bw = bandwidth
+        logger.info("nosa admission: link probe %d bytes in %.6f s = %.2f GB/s", nbytes, seconds, bandwidth / 1e9)
+        admission.CONTROLLER = control
+        self.states.on_free.append(lambda row: control.forget(row - 1))
+        return control
 
     def _attach_states(self, model_runner) -> RequestStates:
         """One registry per ReqToTokenPool (a prefill and a decode nosa backend share it)."""
@@ -136,6 +175,11 @@ class NosaAttnBackend(AttentionBackend):
         # shared by all layers
         self.forward_metadata = [(row, table[row, :seq_len], n) for row, seq_len, n in zip(rows, seq_lens, ext)]
         self.table_rows = forward_batch.req_pool_indices.long()
+        if self.offload is not None:
+            for row in rows:  # a starting request takes back its slot columns lent to others
+                self.offload.activate(row)
+            if forward_batch.forward_mode.is_decode():
+                self.step_stats.begin(rows, seq_lens)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         self._check_layer(layer)
@@ -178,9 +222,33 @@ class NosaAttnBackend(AttentionBackend):
             state = self._state(row, layer.layer_id, fresh=False, max_length=view.length(i) - 1)
             state.append(view, seq=i)
             states.append(state)
+        if self.offload is not None and self.offload.scheduler is not None and layer.layer_id + 1 < self.num_layers:
+            view.after_resolve = lambda: self._prefetch(layer.layer_id + 1)
         # the whole batch in one call: select -> resolve (the view) -> attend
         o_[:] = decode_attend(states, q_, view, layer.scaling)
+        if self.offload is not None and layer.layer_id == self.num_layers - 1:
+            self._end_step()
         return o
+
+    def _prefetch(self, layer_id: int) -> None:
+        """Layer ``layer_id``'s predicted blocks start moving while the layer before it attends."""
+        from nosa.serve.offload_kv import predicted_blocks
+
+        rows = [row for row, _, _ in self.forward_metadata]
+        lengths = [slots.shape[0] for _, slots, _ in self.forward_metadata]
+        if not self.offload.may_prefetch(layer_id, rows, lengths):
+            return
+        states = [self.states.get(row, layer_id) for row in rows]
+        if any(s is not None for s in states):
+            self._offload_view(layer_id).prefetch(predicted_blocks(states, lengths, self.config))
+
+    def _end_step(self) -> None:
+        import time
+
+        self.step_stats.end()
+        if time.monotonic() - self._stats_written > 1.0:  # the dashboard's file, at most once a second
+            self._stats_written = time.monotonic()
+            self.states.write_stats()
 
     def support_triton(self):
         return False

@@ -17,6 +17,21 @@ Resolve, per layer and step, for the whole batch at once:
 A group whose resident blocks went stale (tokens written other than by a decode step, e.g. a
 prefill chunk) drops those blocks before the diff, so they are recalled.
 
+Scheduling (issue 9, ``scheduler``: nosa.serve.recall_scheduler): the misses go to the recall
+worker as a demand transfer and the layer waits only for it; ``prefetch(layer + 1, ...)``, issued
+while layer ``layer`` computes, copies predicted blocks into EMPTY slots only (never evicting a
+resident block), and the layer's resolve first claims it: only the items that landed count as
+resident, the rest are dropped. The diff then runs as if the prefetch had not happened, so the
+slot map after every resolve is exactly the one without prefetch (outputs and every later hit
+and miss are the same with scheduling on or off); a selected block that a prefetch landed is
+moved on the device into its slot, a hit (``prefetch_hits``) instead of a host recall.
+
+Slot columns (issue 9, admission): slot j of group g is physical column ``col_of[g, j]``; column p
+is the item set ``((p // home) * Hkv + h) * home + p % home`` of every KV head h (``home`` slots per
+group: without admission all NS slots, so column g * NS + j is slot j of group g as before). With
+admission, groups own ``home = topk`` columns and may borrow idle groups' columns as extra slots
+(``set_extra``); a group that starts takes its own columns back (``activate``).
+
 Counters (``stats``): per layer, selected blocks, hits, misses (= recalled items), recalled bytes,
 and for "warm" steps (the group's previous step was a decode step, so the cache is in steady
 state) selected blocks, hits and the most misses one (request, KV head) had: the locality bound
@@ -26,17 +41,30 @@ says at most query_blocks + 1 for heads with A != 0.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
 from nosa.kv import DeviceRows
+from nosa.serve.recall_scheduler import DEMAND, PREFETCH
 
 
 class DeviceBlockCache:
     def __init__(self, num_layers: int, num_groups: int, num_kv_heads: int, slots_per_head: int,
-                 block_size: int, head_dim: int, v_head_dim: int, dtype: torch.dtype, device):
+                 block_size: int, head_dim: int, v_head_dim: int, dtype: torch.dtype, device,
+                 scheduler=None, home_slots: int | None = None):
         self.groups, self.hkv, self.ns, self.block = num_groups, num_kv_heads, slots_per_head, block_size
-        items = num_groups * num_kv_heads * slots_per_head
+        self.home = slots_per_head if home_slots is None else home_slots
+        if not 1 <= self.home <= slots_per_head:
+            raise ValueError(f"DeviceBlockCache: home_slots={self.home} must be in [1, {slots_per_head}] "
+                             "(slots_per_head)")
+        self.scheduler = scheduler
+        items = num_groups * num_kv_heads * self.home
+        # slot -> physical column; a group's own columns first, extra slots (j >= home) borrowed
+        self.col_of = torch.full((num_groups, slots_per_head), -1, dtype=torch.long, device=device)
+        self.col_of[:, : self.home] = torch.arange(num_groups * self.home, device=device).view(num_groups, self.home)
+        self.lent: dict[int, tuple[int, int]] = {}  # column -> (borrower group, its slot)
+        self.active: set[int] = set()
         self.k = [torch.zeros(items, block_size, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(items, block_size, v_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.cis = [torch.zeros(items, block_size, dtype=torch.float32, device=device) for _ in range(num_layers)]
@@ -46,11 +74,19 @@ class DeviceBlockCache:
         self.synced = [[0] * num_groups for _ in range(num_layers)]
         self.warm = [[False] * num_groups for _ in range(num_layers)]
         self.item_bytes = block_size * (head_dim * self.k[0].element_size() + v_head_dim * self.v[0].element_size() + 4)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self.prefetched = [torch.zeros(num_groups, num_kv_heads, slots_per_head, dtype=torch.bool, device=device)
+                           for _ in range(num_layers)]
+        self.pending: dict[int, tuple] = {}  # layer -> (transfer, group, head, slot of each item)
         # warm_*: steps whose group decoded at the previous step too (the cache is in steady state)
+        # prefetched: items a prefetch landed; prefetch_hits: wanted blocks resident thanks to one
         self.stats = {key: [0] * num_layers for key in
                       ("selected", "hits", "misses", "recalled_bytes", "steps",
-                       "warm_selected", "warm_hits", "max_warm_misses")}
+                       "warm_selected", "warm_hits", "max_warm_misses", "prefetched", "prefetch_hits",
+                       "prefetch_dropped")}
+        for key in ("recall_seconds", "stall_seconds"):  # synchronous copies (no scheduler)
+            self.stats[key] = [0.0] * num_layers
+        self.group_bytes: dict[int, int] = {}  # bytes recalled per group since last taken (admission)
 
     def group_of(self, row: int) -> int:
         group = row - 1
@@ -65,8 +101,141 @@ class DeviceBlockCache:
             with self._lock:
                 for layer in range(len(self.blocks)):
                     self.blocks[layer][group] = -1
+                    self.prefetched[layer][group] = False
                     self.synced[layer][group] = 0
                     self.warm[layer][group] = False
+                self.active.discard(group)
+                for j in range(self.home, self.ns):  # borrowed columns go back
+                    self._revoke(group, j)
+
+    # ---- slot columns (admission) -------------------------------------------------------------
+    def activate(self, row: int) -> None:
+        """The request of ``row`` runs: its group takes back its own columns lent to others."""
+        g = self.group_of(row)
+        with self._lock:
+            if g in self.active:
+                return
+            self.active.add(g)
+            for p in range(g * self.home, (g + 1) * self.home):
+                if p in self.lent:
+                    self._revoke(*self.lent[p])
+
+    def set_extra(self, grants: dict[int, int]) -> dict[int, int]:
+        """Give each active group ``grants[g]`` extra slots (at most NS - home) from free columns
+        (idle groups' own ones); returns what each group holds after (fewer if none were free)."""
+        with self._lock:
+            for g, n in grants.items():
+                for j in range(self.home + max(0, n), self.ns):
+                    self._revoke(g, j)
+            free = [p for p in range(self.groups * self.home)
+                    if p // self.home not in self.active and p not in self.lent]
+            for g, n in sorted(grants.items()):
+                for j in range(self.home, min(self.ns, self.home + n)):
+                    if int(self.col_of[g, j]) < 0 and free:
+                        p = free.pop(0)
+                        self.col_of[g, j] = p
+                        self.lent[p] = (g, j)
+            return {g: int((self.col_of[g, self.home:] >= 0).sum()) for g in grants}
+
+    def free_columns(self) -> int:
+        with self._lock:
+            return sum(1 for p in range(self.groups * self.home)
+                       if p // self.home not in self.active and p not in self.lent)
+
+    def _revoke(self, g: int, j: int) -> None:
+        p = int(self.col_of[g, j])
+        if p < 0 or j < self.home:
+            return
+        for layer in range(len(self.blocks)):
+            self.blocks[layer][g, :, j] = -1
+            self.prefetched[layer][g, :, j] = False
+        self.col_of[g, j] = -1
+        self.lent.pop(p, None)
+
+    def _items(self, groups: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Device item of (groups[r], head h, slots[r, h, w]) -> [R, Hkv, W] (garbage where no column)."""
+        cols = self.col_of.index_select(0, groups)[:, None, :].expand(-1, self.hkv, -1).gather(-1, slots)
+        heads = torch.arange(self.hkv, device=slots.device)[None, :, None]
+        return ((cols // self.home) * self.hkv + heads) * self.home + cols % self.home
+
+    def _drop_stale(self, layer: int, g: int, fresh: int) -> bool:
+        """Drop the group's blocks holding tokens written other than by decode; True if any were."""
+        if self.synced[layer][g] < fresh:
+            row_blocks = self.blocks[layer][g]
+            row_blocks[row_blocks >= self.synced[layer][g] // self.block] = -1
+            self.synced[layer][g] = fresh
+            self.warm[layer][g] = False
+            return True
+        return False
+
+    # ---- prefetch ------------------------------------------------------------------------------
+    def may_prefetch(self, layer: int, rows: list[int], lengths: list[int]) -> bool:
+        """Whether a prefetch for this decode step could place anything: a group has blocks gone
+        stale or an empty slot (in steady state neither, so the prediction is not even computed)."""
+        if self.scheduler is None:
+            return False
+        groups = [self.group_of(r) for r in rows]
+        with self._lock:
+            if any(self.synced[layer][g] < n - 1 for g, n in zip(groups, lengths)):
+                return True
+            idx = torch.tensor(groups, device=self.col_of.device)
+            usable = (self.col_of.index_select(0, idx) >= 0)[:, None, :]
+            return bool(((self.blocks[layer].index_select(0, idx) < 0) & usable).any())
+
+    def prefetch(self, layer: int, rows: list[int], predicted: torch.Tensor, lengths: list[int], pages: torch.Tensor,
+                 host_items) -> int:
+        """Start copying the predicted blocks [R, Hkv, P] (-1 padded; pages: their host pages) of the
+        decode step with context ``lengths`` into empty slots of ``layer``; returns the items issued.
+        Needs a scheduler (no-op without). Never evicts a resident block."""
+        if self.scheduler is None:
+            return 0
+        groups = torch.tensor([self.group_of(r) for r in rows], device=predicted.device)
+        with self._lock:
+            self._settle(layer)
+            for i, g in enumerate(groups.tolist()):
+                self._drop_stale(layer, g, lengths[i] - 1)
+            blocks = self.blocks[layer]
+            current = blocks.index_select(0, groups)  # [R, Hkv, NS]
+            usable = (self.col_of.index_select(0, groups) >= 0)[:, None, :]
+            same = predicted[..., :, None] == predicted[..., None, :]
+            earlier = torch.ones_like(same[0, 0]).tril(-1)
+            duplicate = (same & earlier).any(dim=-1)
+            present = (current[..., :, None] == predicted[..., None, :]).any(dim=-2)
+            want = (predicted >= 0) & ~present & ~duplicate  # [R, Hkv, P]
+            empty = (current < 0) & usable
+            rank = want.long().cumsum(dim=-1) - 1
+            take = want & (rank < empty.sum(dim=-1, keepdim=True))
+            if not bool(take.any()):
+                return 0
+            empty_slots = (~empty).long().sort(dim=-1, stable=True).indices  # empty slots first
+            dst_slot = empty_slots.gather(-1, rank.clamp(0, self.ns - 1))
+            blocks.index_copy_(0, groups, _place(current, dst_slot, predicted, take, self.ns))
+            item = self._items(groups, dst_slot)
+            heads = torch.arange(self.hkv, device=predicted.device)[None, :, None]
+            which = take.flatten().nonzero().flatten()
+            src = (pages * self.hkv + heads).flatten().index_select(0, which)
+            dst = item.flatten().index_select(0, which)
+            g_of = groups[:, None, None].expand_as(take).flatten().index_select(0, which)
+            h_of = heads.expand_as(take).flatten().index_select(0, which)
+            s_of = dst_slot.flatten().index_select(0, which)
+            job = self.scheduler.submit(layer, PREFETCH, [self.k[layer], self.v[layer], self.cis[layer]],
+                                        list(host_items), dst, src)
+            self.pending[layer] = (job, g_of, h_of, s_of)
+            return int(which.numel())
+
+    def _settle(self, layer: int) -> None:
+        """Claim the layer's prefetch: landed items are resident (flagged), the others dropped."""
+        entry = self.pending.pop(layer, None)
+        if entry is None:
+            return
+        job, g_of, h_of, s_of = entry
+        landed = self.scheduler.claim(job)
+        blocks = self.blocks[layer]
+        if landed < g_of.numel():
+            blocks[g_of[landed:], h_of[landed:], s_of[landed:]] = -1
+        self.prefetched[layer][g_of[:landed], h_of[:landed], s_of[:landed]] = True
+        self.stats["prefetched"][layer] += landed
+        self.stats["prefetch_dropped"][layer] += int(g_of.numel()) - landed
 
     def release_all(self) -> None:
         for row in range(1, self.groups + 1):
@@ -89,44 +258,80 @@ class DeviceBlockCache:
         groups = torch.tensor([self.group_of(r) for r in rows], device=wanted.device)
         blocks = self.blocks[layer]
         with self._lock:
+            self._settle(layer)
             warm = []
             for i, g in enumerate(groups.tolist()):
                 # decode writes exactly the last token itself; anything older than that went to the
                 # host pool only, so the blocks holding it are dropped and recalled
                 fresh = lengths[i] - (1 if new_tokens is not None else 0)
-                stale_from = self.synced[layer][g] // self.block
-                if self.synced[layer][g] < fresh:
-                    row_blocks = blocks[g]
-                    row_blocks[row_blocks >= stale_from] = -1
                 warm.append(self.warm[layer][g] and self.synced[layer][g] == fresh)
+                self._drop_stale(layer, g, fresh)
             current = blocks.index_select(0, groups)  # [R, Hkv, NS]
-            match = (current[..., :, None] == wanted[..., None, :]) & (wanted[..., None, :] >= 0)  # [R,Hkv,NS,W]
+            # The diff runs as if no prefetch had happened (prefetched slots count as empty), so the
+            # slot map after this resolve is exactly the one without prefetch; a selected block that
+            # a prefetch landed is then moved on the device to the slot the diff gave it (a
+            # prefetch hit) instead of being recalled from the host (a demand miss).
+            prefetched = None
+            if self.scheduler is not None:
+                prefetched = self.prefetched[layer].index_select(0, groups)  # [R, Hkv, NS]
+                self.prefetched[layer].index_fill_(0, groups, False)
+                prefetched = prefetched if bool(prefetched.any()) else None
+            virtual = current if prefetched is None else torch.where(prefetched, -1, current)
+            valid_w = wanted[..., None, :] >= 0
+            match = (virtual[..., :, None] == wanted[..., None, :]) & valid_w  # [R, Hkv, NS, W]
             keep = match.any(dim=-1)  # slot holds a wanted block
             hit = match.any(dim=-2)  # wanted block already resident
             miss = (wanted >= 0) & ~hit  # [R, Hkv, W]
+            if prefetched is None:
+                landed, prefetch_hit, demand = None, torch.zeros_like(miss), miss
+            else:
+                landed = (current[..., :, None] == wanted[..., None, :]) & valid_w & prefetched[..., None]
+                prefetch_hit = landed.any(dim=-2) & miss
+                demand = miss & ~prefetch_hit
             # misses take the free slots in order: empty ones first, then those whose block left
-            order = keep.long() * 2 + (current >= 0).long()  # 0 empty, 1 stale, 2 kept
+            # (slots without a column, i.e. extra slots not granted, never)
+            usable = (self.col_of.index_select(0, groups) >= 0)[:, None, :]
+            order = torch.where(usable, keep.long() * 2 + (virtual >= 0).long(), 3)  # 0 empty, 1 stale, 2 kept
             free_slots = order.sort(dim=-1, stable=True).indices  # [R, Hkv, NS]
             rank = (miss.cumsum(dim=-1) - 1).clamp(min=0)
             dst_slot = free_slots.gather(-1, rank)  # [R, Hkv, W] slot of each miss
-            new = _place(current, dst_slot, wanted, miss, self.ns)
+            new = _place(virtual, dst_slot, wanted, miss, self.ns)
             blocks.index_copy_(0, groups, new)
             # where each wanted block now sits
             slot_of = torch.where(hit, (match.long().argmax(dim=-2)), dst_slot)  # [R, Hkv, W]
-            base = (groups[:, None, None] * self.hkv + torch.arange(self.hkv, device=wanted.device)[None, :, None])
-            item = base * self.ns + slot_of  # device item of each wanted block
+            item = self._items(groups, slot_of)  # device item of each wanted block
+            dst_bufs = [self.k[layer], self.v[layer], self.cis[layer]]
+            move = None if landed is None else prefetch_hit & (landed.long().argmax(dim=-2) != dst_slot)
+            if move is not None and bool(move.any()):  # read every source first: a destination may be another's
+                src_items = self._items(groups, landed.long().argmax(dim=-2))[move]
+                moved = [t.index_select(0, src_items) for t in dst_bufs]
+                for t, m in zip(dst_bufs, moved):
+                    t.index_copy_(0, item[move], m)
             # 2. one batched recall for every request and KV head of the batch
             heads = torch.arange(self.hkv, device=wanted.device)[None, :, None]
-            src = torch.where(miss, pages * self.hkv + heads, -1).flatten()
-            dst = torch.where(miss, item, -1).flatten()
-            ops.copy_items([self.k[layer], self.v[layer], self.cis[layer]], list(host_items), dst, src)
+            src = torch.where(demand, pages * self.hkv + heads, -1).flatten()
+            dst = torch.where(demand, item, -1).flatten()
+            if self.scheduler is not None:  # the worker copies; this layer waits for its own blocks only
+                which = demand.flatten().nonzero().flatten()
+                job = self.scheduler.submit(layer, DEMAND, dst_bufs, list(host_items), dst.index_select(0, which),
+                                            src.index_select(0, which))
+                self.scheduler.wait(layer, [job])
+            else:
+                start = time.perf_counter()
+                ops.copy_items(dst_bufs, list(host_items), dst, src)
+                seconds = time.perf_counter() - start  # CPU: the copy; CUDA: its launch only
+                self.stats["recall_seconds"][layer] += seconds
+                self.stats["stall_seconds"][layer] += seconds
             # 3. the new token of each request into its block's slot (write-through; no recall needed)
             if new_tokens is not None:
                 self._write_tokens(layer, wanted, item, lengths, new_tokens)
             for g, n in zip(groups.tolist(), lengths):
                 self.synced[layer][g] = n
                 self.warm[layer][g] = new_tokens is not None
-            self._count(layer, wanted, hit, miss, warm)
+            self._count(layer, wanted, hit | prefetch_hit, demand, warm)
+            self.stats["prefetch_hits"][layer] += int(prefetch_hit.sum())
+            for g, n in zip(groups.tolist(), demand.sum(dim=(1, 2)).tolist()):
+                self.group_bytes[g] = self.group_bytes.get(g, 0) + int(n) * self.item_bytes
         # 4. rows of the resolved blocks: item * B + token offset
         offsets = torch.arange(self.block, device=wanted.device)
         token_rows = (item[..., None] * self.block + offsets).flatten(-2)  # [R, Hkv, W*B]

@@ -13,6 +13,13 @@ subprocess, so the settings are environment variables (like ``NOSA_CONFIG``):
   the budget therefore caps the number of requests running at once (``max_requests``);
 - ``NOSA_DEVICE_EXTRA_SLOTS`` (default 0): block slots per (request, KV head) beyond
   ``topk_blocks``; a spare slot keeps a dropped block resident, so it is a hit if it comes back.
+  With ``NOSA_ADMISSION=1`` it is the most a request may borrow (nosa.serve.admission);
+- ``NOSA_RECALL_SCHEDULER`` (default 0): ``1`` moves recall to the interruptible layer-wise
+  scheduler (nosa.serve.recall_scheduler): demand fetches on a worker, the next layer's predicted
+  blocks prefetched while a layer computes; ``NOSA_RECALL_CHUNK_ITEMS`` (default 64) items per chunk;
+- ``NOSA_ADMISSION`` (default 0): ``1`` turns on I/O-adaptive admission (nosa.serve.admission):
+  each request owns ``topk_blocks`` slots (so the budget holds more requests), extra slots are
+  lent from idle requests' slots, and new requests wait while their recall could not be hidden.
 """
 
 from __future__ import annotations
@@ -26,12 +33,19 @@ ENV_OFFLOAD = "NOSA_OFFLOAD"
 ENV_HOST_TOKENS = "NOSA_HOST_KV_TOKENS"
 ENV_DEVICE_TOKENS = "NOSA_DEVICE_KV_TOKENS"
 ENV_EXTRA_SLOTS = "NOSA_DEVICE_EXTRA_SLOTS"
+ENV_SCHEDULE = "NOSA_RECALL_SCHEDULER"
+ENV_CHUNK = "NOSA_RECALL_CHUNK_ITEMS"
+ENV_ADMISSION = "NOSA_ADMISSION"
 
 
 def offload_enabled() -> bool:
-    value = os.environ.get(ENV_OFFLOAD, "0").strip().lower()
+    return _bool_env(ENV_OFFLOAD)
+
+
+def _bool_env(name: str) -> bool:
+    value = os.environ.get(name, "0").strip().lower()
     if value not in ("0", "1", "", "false", "true", "off", "on"):
-        raise ValueError(f"nosa backend: ${ENV_OFFLOAD}={value!r} must be 1 (on) or 0 (off)")
+        raise ValueError(f"nosa backend: ${name}={value!r} must be 1 (on) or 0 (off)")
     return value in ("1", "true", "on")
 
 
@@ -55,6 +69,9 @@ class OffloadSettings:
     host_tokens: int
     device_tokens: int
     extra_slots: int = 0
+    schedule: bool = False
+    chunk_items: int = 64
+    admission: bool = False
 
     @classmethod
     def from_env(cls) -> "OffloadSettings":
@@ -62,7 +79,15 @@ class OffloadSettings:
             host_tokens=_int_env(ENV_HOST_TOKENS),
             device_tokens=_int_env(ENV_DEVICE_TOKENS),
             extra_slots=_int_env(ENV_EXTRA_SLOTS, default=0, minimum=0),
+            schedule=_bool_env(ENV_SCHEDULE),
+            chunk_items=_int_env(ENV_CHUNK, default=64),
+            admission=_bool_env(ENV_ADMISSION),
         )
+
+    def home_slots(self, cfg: NosaConfig) -> int:
+        """Slots a request owns for its whole life: all of them, or with admission only the budget
+        (extra slots are then borrowed from idle requests)."""
+        return cfg.topk_blocks if self.admission else self.slots_per_head(cfg)
 
     def slots_per_head(self, cfg: NosaConfig) -> int:
         """Device block slots of one (request, KV head): the budget (the block being filled is always
@@ -71,7 +96,7 @@ class OffloadSettings:
 
     def max_requests(self, cfg: NosaConfig) -> int:
         """Requests whose block slots fit the device budget at once."""
-        return self.device_tokens // (self.slots_per_head(cfg) * cfg.block_size)
+        return self.device_tokens // (self.home_slots(cfg) * cfg.block_size)
 
     def validate(self, cfg: NosaConfig, page_size: int) -> None:
         """Reject settings that cannot work, naming the setting. Called at start-up."""
@@ -86,7 +111,7 @@ class OffloadSettings:
                 f"budget topk_blocks * block_size = {cfg.budget_tokens}: a dense request keeps all its "
                 "blocks in its device slots"
             )
-        footprint = self.slots_per_head(cfg) * cfg.block_size
+        footprint = self.home_slots(cfg) * cfg.block_size
         if self.max_requests(cfg) < 1:
             raise ValueError(
                 f"nosa backend: ${ENV_DEVICE_TOKENS}={self.device_tokens} is below one request's device "

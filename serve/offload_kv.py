@@ -5,7 +5,9 @@
 - ``gather_blocks``: a prefill chunk's union of blocks, copied from the host pool into a working
   buffer as whole (block, KV head) items (the context is never resident as a whole);
 - ``resolve``: the decode step's blocks through the device block cache (diff, one batched recall,
-  write-through of the new token; nosa.serve.block_cache).
+  write-through of the new token; nosa.serve.block_cache); then ``after_resolve`` (the backend
+  issues the next layer's prefetch there, so it moves while this layer attends);
+- ``prefetch``: the predicted blocks (``predicted_blocks``) of this view's layer into empty slots.
 Every read goes through nosa.ops.copy_items, which on CUDA reads the pinned host pool directly.
 """
 
@@ -22,6 +24,7 @@ class OffloadKV:
         self.pool, self.cache, self.layer_id = pool, cache, layer_id
         self.req_to_token, self.rows, self.lengths = req_to_token, rows, lengths
         self.device, self.new_tokens = device, new_tokens
+        self.after_resolve = None  # callable run once this layer's blocks are resident
         self.block = pool.page_size
         self.host = pool.items(layer_id)  # (k [P*Hkv, B, D], v, cis [P*Hkv, B])
 
@@ -58,10 +61,53 @@ class OffloadKV:
         return tuple(w.view(u, hkv, block_size, *w.shape[2:]).transpose(1, 2).reshape(u * block_size, hkv, *w.shape[2:])
                      for w in work)
 
-    def resolve(self, blocks: torch.Tensor, lengths: torch.Tensor, block_size: int):
+    def _block_pages(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Host page of each block [R, Hkv, W] of the batch's requests (-1 blocks -> -1)."""
         table_rows = torch.tensor(self.rows, device=self.req_to_token.device)
         first_token = blocks.clamp(min=0).to(table_rows.device) * self.block
         where = table_rows[:, None, None] * self.req_to_token.shape[1] + first_token
         first = self.req_to_token.reshape(-1).index_select(0, where.flatten()).view(blocks.shape).long()
-        pages = torch.where(blocks >= 0, first.to(blocks.device) // self.block, -1)
-        return self.cache.resolve(self.layer_id, self.rows, blocks, self.lengths, pages, self.host, self.new_tokens)
+        return torch.where(blocks >= 0, first.to(blocks.device) // self.block, -1)
+
+    def resolve(self, blocks: torch.Tensor, lengths: torch.Tensor, block_size: int):
+        found = self.cache.resolve(self.layer_id, self.rows, blocks, self.lengths, self._block_pages(blocks),
+                                   self.host, self.new_tokens)
+        if self.after_resolve is not None:
+            self.after_resolve()
+        return found
+
+    def prefetch(self, predicted: torch.Tensor) -> int:
+        """Start recalling predicted blocks [R, Hkv, P] of this layer (nosa.serve.block_cache.prefetch)."""
+        return self.cache.prefetch(self.layer_id, self.rows, predicted, self.lengths, self._block_pages(predicted),
+                                   self.host)
+
+
+def predicted_blocks(states, lengths: list[int], cfg) -> torch.Tensor:
+    """[R, Hkv, 2K] blocks the decode step of context ``lengths`` will probably select, per request
+    (states: its NosaDecodeState in the layer, or None): the static part of the new token's
+    selection (nosa.select.static_selection: by the locality theorem it stays selected) first, then
+    the previous step's selection; every block for requests within dense_len. -1 padded."""
+    from nosa.attention import NEG_INF
+    from nosa.select import static_selection
+
+    known = [s for s in states if s is not None]
+    if not known:
+        raise ValueError("predicted_blocks: no state to predict from")
+    hkv, device, k = known[0].num_kv_heads, known[0].static_keys.device, cfg.topk_blocks
+    rows, nb = len(states), cfg.num_blocks(max(lengths))
+    static = torch.full((rows, hkv, nb, 2), NEG_INF, device=device)
+    previous = torch.full((rows, hkv, k), -1, dtype=torch.long, device=device)
+    for i, state in enumerate(states):
+        if state is not None:
+            keys = state.static_keys[:, :nb]
+            static[i, :, : keys.shape[1]] = keys
+            if state.selection is not None:
+                previous[i] = state.selection
+    positions = torch.tensor(lengths, device=device) - 1
+    out = torch.cat([static_selection(static, positions, cfg), previous], dim=-1)
+    every = torch.arange(2 * k, device=device).expand(rows, hkv, 2 * k)
+    count = torch.tensor([cfg.num_blocks(n) for n in lengths], device=device)[:, None, None]
+    dense = (positions + 1 <= cfg.dense_len)[:, None, None]
+    out = torch.where(dense, torch.where(every < count, every, -1), out)
+    missing = torch.tensor([s is None for s in states], device=device)[:, None, None]
+    return torch.where(missing, -1, out)

@@ -36,7 +36,12 @@ def _install_offload_hooks() -> None:
     if offload_enabled() and not _OFFLOAD_HOOKS:
         from nosa.serve.host_pool import register_hooks
 
-        register_hooks(OffloadSettings.from_env())
+        settings = OffloadSettings.from_env()
+        register_hooks(settings)
+        if settings.admission:  # new requests wait while admission says so (nosa.serve.admission)
+            from nosa.serve.admission import register_hooks as register_admission_hooks
+
+            register_admission_hooks()
         _OFFLOAD_HOOKS.append(True)
 
 

@@ -96,6 +96,10 @@ class RequestStates:
     def reset_allocator(self) -> None:
         self.clear()
 
+    def write_stats(self) -> None:
+        """Write the counts to $NOSA_SERVE_STATS_FILE now (the backend calls it during long decodes)."""
+        self._write_stats()
+
     def _write_stats(self) -> None:
         if not self._stats_file:
             return

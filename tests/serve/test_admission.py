@@ -107,3 +107,38 @@ def test_probe_measures_a_batched_recall():
     bw, nbytes, seconds = probe_bandwidth(dst, src, items=64)
     assert nbytes == 64 * (16 * 8 * 4 + 16 * 4) and seconds > 0 and bw == pytest.approx(nbytes / seconds)
     assert torch.equal(dst[0], src[0][:64])
+
+
+def test_block_cache_lends_idle_columns_as_extra_slots_and_takes_them_back():
+    """Admission layout: 3 groups own 2 slots each (home), up to 2 extra. Group 0 borrows idle
+    columns: with 4 slots its alternating selections become hits; group 1 starting takes its
+    columns back and group 0's borrowed blocks are dropped. Resolved rows always hold the right data."""
+    pytest.importorskip("sglang")
+    from nosa.serve.block_cache import DeviceBlockCache
+
+    B, HKV, D = 4, 2, 3
+    cache = DeviceBlockCache(1, 3, HKV, 4, B, D, D, torch.float32, "cpu", home_slots=2)
+    g = torch.Generator().manual_seed(0)
+    host = (torch.randn(20 * HKV, B, D, generator=g), torch.randn(20 * HKV, B, D, generator=g),
+            torch.randn(20 * HKV, B, generator=g))
+    picks = [torch.tensor([[[0, 1]] * HKV]), torch.tensor([[[2, 3]] * HKV])]
+
+    def step(i, rows=(1,)):
+        wanted = picks[i % 2].expand(len(rows), HKV, 2)
+        found = cache.resolve(0, list(rows), wanted, [40] * len(rows), wanted + 5, host)
+        want_k = host[0][((wanted + 5) * HKV + torch.arange(HKV)[None, :, None]).flatten()]
+        got_k = found.k.view(-1, B, D)[found.slots.flatten()]
+        assert torch.equal(got_k, want_k)
+
+    cache.activate(1)
+    assert cache.free_columns() == 4  # groups 1 and 2 idle, 2 columns each
+    assert cache.set_extra({0: 2}) == {0: 2}
+    for i in range(4):
+        step(i)
+    assert cache.stats["misses"][0] == 4 * HKV and cache.stats["hits"][0] == 4 * HKV  # 0,1 and 2,3 stay
+    cache.activate(2)  # group 1 starts: the two columns group 0 borrowed from it come back
+    assert cache.lent == {} and int((cache.col_of[0, 2:] >= 0).sum()) == 0
+    assert cache.free_columns() == 2  # group 2 (row 3) is idle
+    step(4, rows=(1, 2))
+    cache.release(2)
+    assert cache.set_extra({0: 1}) == {0: 1}

@@ -3,7 +3,9 @@ checkpoint with non-zero eviction heads on every KV head.
 
 - ``on``: host pool of 3000 tokens, device KV budget 256 tokens (two requests of 8 blocks x 16),
   page size = block size, chunked prefill of 128, radix cache on;
-- ``off``: the same checkpoint with offloading off (the KV in SGLang's pool).
+- ``off``: the same checkpoint with offloading off (the KV in SGLang's pool);
+- ``sched``: ``on`` plus the recall scheduler (chunks of 4 items, so prefetches get preempted),
+  admission (each request owns 8 slots, borrows up to 2 more) and W&B offline logging.
 Counters come from the file the backend writes when $NOSA_SERVE_STATS_FILE is set.
 """
 
@@ -31,6 +33,8 @@ HOST, DEVICE = 3000, 256
 COMMON = ["--skip-server-warmup", "--sleep-on-idle", "--dtype", "float32", "--mem-fraction-static", "0.3",
           "--context-length", "4096", "--attention-backend", "nosa", "--chunked-prefill-size", "128"]
 OFFLOAD_ENV = {"NOSA_OFFLOAD": "1", "NOSA_HOST_KV_TOKENS": str(HOST), "NOSA_DEVICE_KV_TOKENS": str(DEVICE)}
+SCHED_ENV = {"NOSA_RECALL_SCHEDULER": "1", "NOSA_RECALL_CHUNK_ITEMS": "4", "NOSA_ADMISSION": "1",
+             "NOSA_DEVICE_EXTRA_SLOTS": "2", "NOSA_SERVE_WANDB": "offline"}
 LONG = [(300, 11), (457, 12), (40, 3), (333, 13)]  # one dense (40 <= dense_len 64)
 NEW = 12
 
@@ -49,11 +53,16 @@ def servers(ckpt, tmp_path_factory):
                             env={**OFFLOAD_ENV, "NOSA_SERVE_STATS_FILE": stats}),
         "off": ServerProcess(ckpt, [*COMMON, "--max-total-tokens", str(HOST)], str(logs / "off.log")),
         "bad": ServerProcess(ckpt, [*COMMON, "--page-size", "1"], str(logs / "bad.log"), env=OFFLOAD_ENV),
+        "sched": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "sched.log"),
+                               env={**OFFLOAD_ENV, **SCHED_ENV, "NOSA_SERVE_STATS_FILE": str(logs / "sched.json"),
+                                    "NOSA_SERVE_WANDB_DIR": str(logs / "wandb")}),
     }
     try:
-        for name in ("on", "off"):
-            procs[name].wait_ready()
+        for name in ("on", "off", "sched"):
+            procs[name].wait_ready(timeout=600)  # four servers start at once on a shared 2-core machine
         procs["stats"] = stats
+        procs["sched_stats"] = str(logs / "sched.json")
+        procs["sched_wandb"] = str(logs / "wandb")
         yield procs
     finally:
         for proc in procs.values():
@@ -61,10 +70,10 @@ def servers(ckpt, tmp_path_factory):
                 proc.stop()
 
 
-def _stats(servers, settle: float = 15.0) -> dict:
+def _stats(servers, settle: float = 15.0, key: str = "stats") -> dict:
     deadline = time.time() + settle
     while True:
-        with open(servers["stats"]) as f:
+        with open(servers[key]) as f:
             counts = json.load(f)
         if (counts["requests"] == 0 and counts["device_slots_in_use"] == 0) or time.time() > deadline:
             return counts
@@ -154,3 +163,51 @@ def test_bad_offload_settings_stop_start_up_with_the_setting_named(servers):
     with pytest.raises(RuntimeError) as err:
         servers["bad"].wait_ready(timeout=180)
     assert "--page-size must equal NosaConfig.block_size=16" in str(err.value)
+
+
+def test_scheduling_and_admission_leave_outputs_unchanged(servers):
+    """Recall scheduler, prefetch and admission on: the same tokens as offloading off, one request
+    at a time and 8 at once (the device budget runs two; admission may hold more back)."""
+    for length, seed in LONG:
+        prompt = tiny.prompt_ids(length, seed)
+        assert servers["sched"].generate(prompt, NEW) == servers["off"].generate(prompt, NEW), length
+    prompts = [tiny.prompt_ids(n, 200 + n) for n in (35, 90, 150, 260, 410, 520, 70, 333)]
+    want = [servers["off"].generate(p, 8) for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: servers["sched"].generate(p, 8), prompts))
+    assert got == want
+
+
+def test_scheduled_counters_add_up_and_feed_the_dashboard(servers, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    servers["sched"].generate(tiny.prompt_ids(700, 5), 40)
+    counts = _stats(servers, key="sched_stats")
+    off, sched = counts["offload"], counts["scheduler"]
+    for layer in range(2):
+        assert off["hits"][layer] + off["misses"][layer] == off["selected"][layer]
+        assert off["recalled_bytes"][layer] == off["misses"][layer] * _item_bytes()
+        # every demand miss went through the worker; every prefetched item it copied was claimed
+        assert sched["demand_items"][layer] == off["misses"][layer]
+        assert sched["prefetch_items"][layer] == off["prefetched"][layer]
+        assert off["prefetch_hits"][layer] <= min(off["hits"][layer], off["prefetched"][layer])
+    # layer 1 is prefetched while layer 0 computes: after each prefill its cold cache is filled
+    assert off["prefetch_hits"][1] > 0 and off["prefetched"][0] == 0
+    assert counts["admission"]["decisions"]["admit"] >= 1
+    assert counts["admission"]["bandwidth_bytes_per_s"] > 0
+    steps = counts["timeline"]
+    assert steps and all(sum(r["layers"]["hits"]) + sum(r["layers"]["misses"]) == sum(r["layers"]["selected"])
+                         for r in steps)
+    # W&B offline run plus its metrics.jsonl; the dashboard reads both the stats file and the jsonl
+    metrics = os.path.join(servers["sched_wandb"], "metrics.jsonl")
+    assert os.path.exists(metrics)
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "serve_dashboard.py")
+    for source in (servers["sched_stats"], metrics):
+        png = tmp_path / (os.path.basename(source) + ".png")
+        done = subprocess.run([sys.executable, script, source, "--plot", str(png), "--json"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert png.stat().st_size > 10_000
+        assert json.loads(done.stdout[: done.stdout.rindex("}") + 1])["steps"] > 0

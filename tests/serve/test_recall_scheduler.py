@@ -147,45 +147,84 @@ def _host(pages=40, seed=0):
 
 
 def _run(cache, seed, prefetch: bool, steps=40):
-    """Random selections (3 of 12 blocks, drifting) for 2 requests over 2 layers; a prefetch of the
-    next layer's guess (last selection plus random blocks) while the current layer 'computes'.
-    Returns the resolved K rows of every (step, layer)."""
+    """Random selections (3 of 12 blocks) for 2 requests over 2 layers, the caches emptied every 8
+    steps (as after a request restarts); while layer 0 'computes', layer 1's guess (its true
+    selection with one block replaced at random) is prefetched. Returns the resolved K rows and the
+    resident block sets of every (step, layer)."""
     rng = random.Random(seed)
     host = [_host(seed=layer) for layer in range(2)]
-    last = {}
-    outs = []
+    wanted = [[torch.tensor([[sorted(rng.sample(range(12), 3)) for _ in range(HKV)] for _ in range(2)])
+               for _ in range(2)] for _ in range(steps)]
+    outs, resident = [], []
     for step in range(steps):
+        if step % 8 == 0:
+            cache.release_all()
         lengths = [48, 48]
         for layer in range(2):
-            wanted = torch.full((2, HKV, 3), -1, dtype=torch.long)
-            for i in range(2):
-                for h in range(HKV):
-                    picks = sorted(rng.sample(range(12), 3))
-                    wanted[i, h] = torch.tensor(picks)
-            guess = torch.randint(0, 12, (2, HKV, 3), generator=torch.Generator().manual_seed(step * 7 + layer))
             if prefetch and layer + 1 < 2:
+                guess = wanted[step][layer + 1].clone()
+                guess[..., rng.randrange(3)] = rng.randrange(12)
                 cache.prefetch(layer + 1, [1, 2], guess, lengths, guess, host[layer + 1])
-            found = cache.resolve(layer, [1, 2], wanted, lengths, wanted, host[layer])  # block b -> host page b
+            want = wanted[step][layer]
+            found = cache.resolve(layer, [1, 2], want, lengths, want, host[layer])  # block b -> host page b
             outs.append(found.k[found.rows.flatten()].clone())
-            last[layer] = wanted
-    return outs
+            resident.append(cache.blocks[layer].clone())
+    return outs, resident
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_block_cache_results_do_not_depend_on_prefetch_or_timing(seed):
-    want = _run(_cache(), seed, prefetch=False)
+    """Same rows read, the same slot map after every resolve; prefetch only turns demand misses
+    into prefetch hits."""
+    plain = _cache()
+    want, want_resident = _run(plain, seed, prefetch=False)
     rng = random.Random(seed)
     sched = RecallScheduler(num_layers=2, chunk_items=2, delay=lambda kind, layer: rng.random() * 0.002)
     cache = _cache(sched)
     try:
-        got = _run(cache, seed, prefetch=True)
+        got, got_resident = _run(cache, seed, prefetch=True)
     finally:
         sched.close()
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    s = cache.stats
+    for a, b in zip(got_resident, want_resident):
+        assert torch.equal(a, b)
+    s, p = cache.stats, plain.stats
     for layer in range(2):
-        assert s["hits"][layer] + s["misses"][layer] == s["selected"][layer]
-        assert s["prefetch_hits"][layer] <= s["hits"][layer]
-    assert sum(s["prefetched"]) > 0 and sum(s["prefetch_hits"]) > 0
+        assert s["hits"][layer] + s["misses"][layer] == s["selected"][layer] == p["selected"][layer]
+        assert s["hits"][layer] == p["hits"][layer] + s["prefetch_hits"][layer]
+        assert s["misses"][layer] == p["misses"][layer] - s["prefetch_hits"][layer]
+        assert s["prefetch_hits"][layer] <= s["prefetched"][layer]
+    assert s["prefetched"][0] == 0 and s["prefetch_hits"][1] > 0
+    assert sched.stats["demand_items"] == s["misses"] and sched.stats["prefetch_items"] == s["prefetched"]
+
+
+def test_predicted_blocks_hold_the_static_part_and_the_previous_selection():
+    """The prefetch guess for a step: by the locality theorem the new token's static part is a subset
+    of its real selection; the previous selection is in the guess too; dense requests: every block."""
+    from nosa import NosaConfig
+    from nosa.decode import NosaDecodeState
+    from nosa.serve.offload_kv import predicted_blocks
+
+    cfg = NosaConfig.tiny(dense_len=64)
+    g = torch.Generator().manual_seed(3)
+    hkv, d, hq = 2, 8, 4
+    states, lengths = [], [300, 40]
+    for length in lengths:
+        s = NosaDecodeState(cfg, hkv, d)
+        s.append_tokens(torch.randn(length - 1, hkv, d, generator=g), torch.rand(length - 1, hkv, generator=g))
+        s.select(torch.randn(hq, d, generator=g), 0.3)
+        states.append(s)
+    previous = states[0].selection.clone()
+    pred = predicted_blocks(states + [None], lengths + [50], cfg)
+    assert pred.shape == (3, hkv, 2 * cfg.topk_blocks) and bool((pred[2] == -1).all())
+    long = states[0]
+    long.append_tokens(torch.randn(300, hkv, d, generator=g), torch.rand(300, hkv, generator=g))  # token 299
+    real = long.select(torch.randn(hq, d, generator=g), 0.3)
+    for h in range(hkv):
+        guess = set(pred[0, h].tolist()) - {-1}
+        static = set(long.static_blocks()[h].tolist()) - {-1}
+        assert static and static <= guess and static <= set(real[h].tolist())
+        assert set(previous[h].tolist()) - {-1} <= guess
+        assert set(pred[1, h].tolist()) - {-1} == {0, 1, 2}  # 40 tokens = 3 blocks of 16, dense

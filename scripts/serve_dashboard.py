@@ -1,0 +1,153 @@
+"""The serving dashboard without W&B: plot the offloading engine's per-step, per-layer counters.
+
+    python scripts/serve_dashboard.py STATS.json [--plot results/serve_dashboard.png] [--json]
+    python scripts/serve_dashboard.py runs/serve/metrics.jsonl --plot out.png
+
+Input: the stats file a server writes with $NOSA_SERVE_STATS_FILE (its ``timeline``: one record
+per decode step, nosa.serve.step_stats), a JSON list of such records (scripts/bench_offload.py
+saves them), or the ``metrics.jsonl`` that $NOSA_SERVE_WANDB logging writes beside the W&B run.
+Panels: hit rate and misses per step; recall and stall time per step (stall share of the step);
+prefetch hit rate per layer (demand misses avoided); resident slots and batch; admission
+(bandwidth estimate, hideable vs demanded bytes per step, decisions). ``--json`` prints the
+summary (totals per layer) instead of, or besides, the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def load_timeline(path: str) -> list[dict]:
+    """Step records from a stats file, a JSON list of records, or a metrics.jsonl (flat records)."""
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            return [_unflatten(json.loads(line)) for line in f if line.strip()]
+    with open(path) as f:
+        data = json.load(f)
+    records = data.get("timeline") if isinstance(data, dict) else data
+    if not isinstance(records, list):
+        raise SystemExit(f"serve_dashboard: {path} has no step timeline (key 'timeline'); was the server "
+                         "run with $NOSA_OFFLOAD=1 and $NOSA_SERVE_STATS_FILE set?")
+    return records
+
+
+def _unflatten(flat: dict) -> dict:
+    layers: dict[str, dict[int, float]] = {}
+    for key, v in flat.items():
+        if key.startswith("layer") and "/" in key:
+            head, name = key.split("/", 1)
+            layers.setdefault(name, {})[int(head[5:])] = v
+    record = {"step": flat.get("step"), "wall_seconds": flat.get("wall_seconds", 0.0),
+              "stall_seconds": flat.get("stall_seconds", 0.0), "batch": flat.get("batch", 0),
+              "resident_slots": flat.get("resident_slots", 0),
+              "layers": {name: [by[i] for i in sorted(by)] for name, by in layers.items()}}
+    adm = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith("admission/")}
+    if adm:
+        names = ("admit", "wait", "grant", "revoke", "resident", "offloaded")
+        record["admission"] = {"decisions": {n: adm.get(n, 0) for n in names},
+                               **{k: v for k, v in adm.items() if k not in names}}
+    return record
+
+
+def summary(records: list[dict]) -> dict:
+    """Totals per layer and shares over the whole timeline."""
+    if not records:
+        raise SystemExit("serve_dashboard: the timeline is empty (no decode step recorded)")
+    keys = records[0]["layers"].keys()
+    totals = {k: [sum(r["layers"][k][i] for r in records) for i in range(len(records[0]["layers"][k]))] for k in keys}
+    wall = sum(r["wall_seconds"] for r in records)
+    stall = sum(r["stall_seconds"] for r in records)
+    avoided = [p / max(p + m, 1) for p, m in zip(totals["prefetch_hits"], totals["misses"])]
+    return {"steps": len(records), "wall_seconds": round(wall, 4), "stall_share": round(stall / wall, 4) if wall else 0,
+            "hit_rate": round(sum(totals["hits"]) / max(sum(totals["selected"]), 1), 4),
+            "prefetch_hit_rate_per_layer": [round(a, 4) for a in avoided], "totals_per_layer": totals,
+            "admission": records[-1].get("admission", {}).get("decisions")}
+
+
+def plot(records: list[dict], out: str, title: str = "nosa serving dashboard") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(len(records)))
+    lay = lambda key: [sum(r["layers"][key]) for r in records]  # noqa: E731
+    sel, hits, misses = lay("selected"), lay("hits"), lay("misses")
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    ax = axes[0, 0]
+    ax.plot(steps, [h / s if s else 1.0 for h, s in zip(hits, sel)], label="hit rate")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("hit rate per step (all layers)")
+    ax2 = ax.twinx()
+    ax2.bar(steps, misses, color="tab:red", alpha=0.3, label="misses (items)")
+    ax2.bar(steps, lay("prefetch_hits"), color="tab:green", alpha=0.4, label="prefetch hits")
+    ax2.legend(loc="lower right", fontsize=7)
+    ax = axes[0, 1]
+    ax.plot(steps, [1e3 * r["wall_seconds"] for r in records], label="step (layers)")
+    ax.plot(steps, [1e3 * sum(r["layers"]["recall_seconds"]) for r in records], label="recall (worker)")
+    ax.plot(steps, [1e3 * r["stall_seconds"] for r in records], label="stall (layers waiting)")
+    ax.set_title("time per step (ms)")
+    ax.legend(fontsize=7)
+    ax = axes[0, 2]
+    s = summary(records)
+    layers = list(range(len(s["prefetch_hit_rate_per_layer"])))
+    tot = s["totals_per_layer"]
+    ax.bar([x - 0.2 for x in layers], s["prefetch_hit_rate_per_layer"], width=0.4, label="prefetch hit rate")
+    ax.bar([x + 0.2 for x in layers], [h / max(n, 1) for h, n in zip(tot["hits"], tot["selected"])], width=0.4,
+           label="hit rate")
+    ax.set_xlabel("layer")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("per layer: demand misses avoided by prefetch")
+    ax.legend(fontsize=7)
+    ax = axes[1, 0]
+    ax.plot(steps, [r["resident_slots"] for r in records], label="resident slots")
+    ax.set_title("device slots in use / batch")
+    ax2 = ax.twinx()
+    ax2.step(steps, [r["batch"] for r in records], color="tab:orange", label="batch")
+    ax.legend(loc="upper left", fontsize=7)
+    ax2.legend(loc="upper right", fontsize=7)
+    ax = axes[1, 1]
+    adm = [r.get("admission") for r in records]
+    if any(adm):
+        ax.plot(steps, [(a or {}).get("hideable_bytes_per_step") or 0 for a in adm], label="hideable B/step")
+        ax.plot(steps, [(a or {}).get("demand_bytes_per_step") or 0 for a in adm], label="demanded B/step")
+        ax.set_yscale("symlog")
+        ax.legend(fontsize=7)
+        ax.set_title("admission: recall budget per step")
+        ax = axes[1, 2]
+        for name in ("admit", "wait", "grant", "revoke"):
+            ax.plot(steps, [(a or {}).get("decisions", {}).get(name, 0) for a in adm], label=name)
+        ax.set_title("admission decisions (cumulative)")
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "admission off", ha="center", va="center")
+        ax.set_title("admission")
+        axes[1, 2].plot(steps, [r["stall_seconds"] / r["wall_seconds"] if r["wall_seconds"] else 0 for r in records])
+        axes[1, 2].set_title("stall share of the step")
+    for ax in axes.flat:
+        ax.set_xlabel(ax.get_xlabel() or "decode step")
+    fig.suptitle(f"{title}: {s['steps']} steps, hit rate {s['hit_rate']:.3f}, stall share {s['stall_share']:.3f}")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=90)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path", help="stats file, JSON list of step records, or metrics.jsonl")
+    ap.add_argument("--plot", default=None, help="PNG to write")
+    ap.add_argument("--title", default="nosa serving dashboard")
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = ap.parse_args()
+    records = load_timeline(args.path)
+    if args.json or not args.plot:
+        print(json.dumps(summary(records), indent=2))
+    if args.plot:
+        plot(records, args.plot, args.title)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
