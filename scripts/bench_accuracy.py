@@ -1,15 +1,30 @@
-"""Accuracy benchmark on held-out synthetic long-context tasks: dense vs training-free NOSA
-selection (dense weights, A = 0: InfLLM-v2 style) vs NOSA fine-tuned, plus selection churn.
+"""Accuracy benchmark on held-out synthetic retrieval: dense vs training-free selection (the dense
+weights, A = 0: InfLLM-v2 style) vs NOSA fine-tuned, at the training length and at 2x and 4x it,
+over one or more training seeds; plus what the selection does while the answers are decoded.
 
-    python scripts/bench_accuracy.py --run runs/tiny                  # 2K, 4K, 8K contexts
-    python scripts/bench_accuracy.py --run runs/tiny --quick          # 2K only, few examples
-    python scripts/bench_accuracy.py --dense D --nosa N --out results/accuracy.json
+    python scripts/bench_accuracy.py --run runs/tiny runs/tiny-seed1 --plot results/accuracy.png
+    python scripts/bench_accuracy.py --run runs/tiny --quick           # 1x only, 8 examples
 
-Reads the checkpoints that ``python -m nosa.train`` leaves in the run directory (``dense`` = end of
-the dense phase, ``nosa`` = end of fine-tuning). The NOSA budget is the fine-tuned checkpoint's
-NosaConfig (topk_blocks * block_size tokens); the JSON records the budget as a share of the blocks
-at every length. Accuracy: all answer tokens of an example right under teacher forcing (what
-greedy decoding would produce). Writes JSON (--out) and a markdown table to stdout.
+Each run directory is what ``python -m nosa.train`` leaves (``dense`` = end of the dense phase,
+``nosa`` = end of fine-tuning); several runs = several training seeds of one config, reported as
+mean and [min, max]. The held-out examples are fresh (their own random stream, disjoint from the
+training and held-out splits), drawn like the run's data: its tasks, its fact depth, facts outside
+the sink blocks and the question's local window. The NOSA budget is the fine-tuned checkpoint's
+NosaConfig; A = 0 gets the same one.
+
+Per variant and length:
+- ``acc``: share of examples whose answer tokens are all right under teacher forcing (= what greedy
+  decoding would produce); ``loss``: mean cross-entropy over the answer tokens.
+For the two sparse variants, over the decode steps (every token of the question and its answers,
+fed one at a time after the context, per layer and KV head; nosa_prefill's row t selects as decode
+step t would):
+- ``entering_mean`` / ``entering_max``: blocks entering the selection per step (what a device cache
+  must recall from the host);
+- ``hit_rate``: selected blocks that were selected at the previous step too, i.e. already resident
+  in a device cache of exactly the budget;
+- ``mass``: share of the model's dense attention probability (softmax of q.k over every causal
+  key) inside the selected blocks, over query heads.
+Writes JSON (--out) and a markdown table to stdout; --plot draws accuracy, recalls and hit rate.
 """
 
 from __future__ import annotations
@@ -18,137 +33,216 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
-import tempfile
 import time
 
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
+VARIANTS = ("dense", "training_free", "nosa_finetuned")
+LABELS = {"dense": "dense", "training_free": "A = 0 (training-free)", "nosa_finetuned": "NOSA fine-tuned"}
+SPARSE_KEYS = ("entering_mean", "entering_max", "hit_rate", "mass")
 
-def heldout_rows(tokenizer, tasks, length: int, count: int, seed: int):
-    """Fresh held-out examples at ``length`` tokens (seeds disjoint from training)."""
+
+def run_config(nosa_path: str) -> dict:
+    path = os.path.join(nosa_path, "nosa_train.json")
+    if not os.path.isfile(path):
+        raise SystemExit(f"bench_accuracy: {path} not found (a checkpoint written by python -m nosa.train)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def heldout(tokenizer, train_cfg: dict, cfg, length: int, count: int, seed: int) -> list[dict]:
+    """Fresh examples at ``length`` tokens: input_ids [L], answer token positions, question start."""
+    import torch
+
     from nosa.train import synthetic
-    from nosa.train.data import build_rows
     from nosa.train.tokenizer import token_counter
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "heldout.jsonl")
-        examples = synthetic.make_split(list(tasks), count, length, seed, token_counter(tokenizer))
-        with open(path, "w") as f:
-            for ex in examples:
-                f.write(json.dumps(ex) + "\n")
-        return build_rows([path], tokenizer, length)
+    syn = train_cfg["data"]["synthetic"] or {}
+    examples = synthetic.make_split(
+        list(syn.get("tasks") or synthetic.TASKS), count, length, seed, token_counter(tokenizer), split="bench",
+        head=cfg.sink_blocks * cfg.block_size, tail=cfg.window_blocks * cfg.block_size,
+        depth=tuple(syn.get("depth", (0.0, 1.0))),
+    )
+    out = []
+    for ex in examples:
+        enc = tokenizer(ex["text"], add_special_tokens=False, return_offsets_mapping=True)
+        answers = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if any(a <= s and e <= b for a, b in ex["targets"])]
+        out.append({"task": ex["task"], "ids": torch.tensor(enc["input_ids"]), "answers": answers, "question": ex["question"]})
+    return out
 
 
-def variants(dense_path: str, nosa_path: str):
-    """(name, loader) for the three models; each loader returns a fresh model in eval mode."""
+def loaders(dense_path: str, nosa_path: str, cfg):
+    """variant -> a function returning a fresh model in eval mode."""
     from transformers import AutoModelForCausalLM
 
     import nosa
-    from nosa.hf import nosa_config_of
 
     def dense():
         return AutoModelForCausalLM.from_pretrained(dense_path, attn_implementation="sdpa").eval()
 
-    def training_free():
-        from transformers import AutoConfig
+    return {
+        "dense": dense,
+        "training_free": lambda: nosa.convert(dense(), cfg).eval(),  # A = 0: query-aware only
+        "nosa_finetuned": lambda: nosa.from_pretrained(nosa_path).eval(),
+    }
 
-        cfg = nosa_config_of(AutoConfig.from_pretrained(nosa_path))
-        return nosa.convert(dense(), cfg).eval()  # A = 0: query-aware selection only
 
-    def fine_tuned():
-        return nosa.from_pretrained(nosa_path).eval()
+def measure(model, examples, cfg, sparse: bool) -> dict:
+    """Accuracy, answer loss and (sparse) selection statistics of ``model`` over ``examples``."""
+    import torch
+    import torch.nn.functional as F
 
-    return [("dense", dense), ("training_free", training_free), ("nosa_finetuned", fine_tuned)]
+    from nosa.attention import nosa_prefill
+    from nosa.eviction import MODULE_NAME
+    from nosa.hf import capture_attention_inputs
+    from nosa.select import blocks_entering, selection_mask
+
+    right, losses, by_task = [], [], {}
+    entering, selected, step_max, mass = 0, 0, 0, []
+    for ex in examples:
+        ids, answers = ex["ids"], torch.tensor(ex["answers"])
+        with torch.no_grad():
+            if sparse:
+                with capture_attention_inputs(model) as captured:
+                    logits = model(input_ids=ids[None]).logits[0]
+            else:
+                logits = model(input_ids=ids[None]).logits[0]
+        ok = bool((logits[answers - 1].argmax(-1) == ids[answers]).all())
+        right.append(ok)
+        by_task.setdefault(ex["task"], []).append(ok)
+        losses.append(float(F.cross_entropy(logits[answers - 1].float(), ids[answers])))
+        if not sparse:
+            continue
+        first = ex["question"] - 1  # the last context row, then one row per decode step
+        for name, (q, k, v) in captured.items():
+            attn = model.get_submodule(name)
+            with torch.no_grad():
+                cis = getattr(attn, MODULE_NAME)(v)
+                _, sel = nosa_prefill(q[first:], k, v, cis, cfg, attn.scaling)  # [n, Hkv, K]
+            enter = blocks_entering(sel[:-1], sel[1:])  # [n - 1, Hkv]
+            entering += int(enter.sum())
+            selected += int((sel[1:] >= 0).sum())
+            step_max = max(step_max, int(enter.max()))
+            mass.append(_mass(q[first + 1 :], k, sel[1:], first + 1, cfg, attn.scaling, selection_mask))
+    out = {
+        "acc": sum(right) / len(right),
+        "loss": sum(losses) / len(losses),
+        "acc_by_task": {t: sum(v) / len(v) for t, v in sorted(by_task.items())},
+    }
+    if sparse:
+        steps = selected / cfg.topk_blocks  # (row, layer, KV head) decode steps with a full budget
+        out.update(
+            entering_mean=entering / max(1.0, steps),
+            entering_max=step_max,
+            hit_rate=1 - entering / max(1, selected),
+            mass=sum(mass) / len(mass),
+        )
+    return out
+
+
+def _mass(q, k, sel, first: int, cfg, scale: float, selection_mask) -> float:
+    """Mean share of dense attention probability inside the selection; q [n, Hq, D] are the rows
+    at positions first.., k [L, Hkv, D], sel [n, Hkv, K]."""
+    import torch
+
+    n, hq, _ = q.shape
+    length, hkv, _ = k.shape
+    group = hq // hkv
+    logits = torch.einsum("rhd,lhd->rhl", q.float(), k.float().repeat_interleave(group, 1)) * scale
+    positions = torch.arange(first, first + n)
+    causal = torch.arange(length)[None, :] <= positions[:, None]
+    probs = torch.softmax(logits.masked_fill(~causal[:, None, :], float("-inf")), dim=-1)
+    inside = selection_mask(sel, cfg.num_blocks(length))[..., torch.arange(length) // cfg.block_size]
+    return float((probs * inside.repeat_interleave(group, 1)).sum(-1).mean())
+
+
+def summarize(per_seed: list[dict]) -> dict:
+    """mean, min, max over training seeds of every number in the per-seed results."""
+    out = {}
+    for key, value in per_seed[0].items():
+        if isinstance(value, (int, float)):
+            values = [r[key] for r in per_seed]
+            out[key] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "seeds": values}
+    return out
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", default="runs/tiny", help="run dir holding the dense/ and nosa/ links")
-    parser.add_argument("--dense", help="dense checkpoint (default <run>/dense)")
-    parser.add_argument("--nosa", help="NOSA checkpoint (default <run>/nosa)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
-    parser.add_argument("--examples", type=int, default=16, help="held-out examples per length")
-    parser.add_argument("--tasks", nargs="+", default=None)
-    parser.add_argument("--seed", type=int, default=777_000)
-    parser.add_argument("--quick", action="store_true", help="2K only, 8 examples")
+    parser.add_argument("--run", nargs="+", default=["runs/tiny"], help="run dirs (one per training seed)")
+    parser.add_argument("--lengths", type=int, nargs="+", help="default: 1x, 2x, 4x the training seq_len")
+    parser.add_argument("--examples", type=int, default=32, help="held-out examples per length")
+    parser.add_argument("--seed", type=int, default=777)
+    parser.add_argument("--quick", action="store_true", help="training length only, 8 examples")
     parser.add_argument("--out", default="results/accuracy.json")
-    parser.add_argument("--plot", metavar="PNG", help="also draw accuracy and churn per context length")
+    parser.add_argument("--plot", metavar="PNG", help="also draw accuracy, recalls and hit rate per length")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.lengths, args.examples = [min(args.lengths)], min(args.examples, 8)
-    dense_path = args.dense or os.path.join(args.run, "dense")
-    nosa_path = args.nosa or os.path.join(args.run, "nosa")
-    for path in (dense_path, nosa_path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise SystemExit(
-                f"bench_accuracy: no checkpoint at {path!r}; run "
-                "`python -m nosa.train --config configs/train/tiny.yaml` first"
-            )
 
     import torch
     from transformers import AutoConfig
 
     from nosa.hf import nosa_config_of
-    from nosa.train import synthetic
-    from nosa.train.metrics import evaluate, selection_stats
     from nosa.train.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
-    cfg = nosa_config_of(AutoConfig.from_pretrained(nosa_path))
-    if cfg is None:
-        raise SystemExit(f"bench_accuracy: {nosa_path} is not a NOSA checkpoint")
-    tokenizer = load_tokenizer(nosa_path)
-    tasks = args.tasks or list(synthetic.TASKS)
-    results = []
-    for name, load in variants(dense_path, nosa_path):
-        model = load()
-        for length in args.lengths:
-            if length % cfg.block_size:
-                raise SystemExit(f"--lengths: {length} is not a multiple of block_size {cfg.block_size}")
-            rows = heldout_rows(tokenizer, tasks, length, args.examples, args.seed + length)
-            t0 = time.perf_counter()
-            scores = evaluate(model, rows, len(rows))
-            entry = {
-                "variant": name,
-                "length": length,
-                "examples": len(rows),
-                "acc": scores.get("eval/acc"),
-                "loss": scores["eval/loss"],
-                "acc_by_task": {k.split("/")[-1]: v for k, v in scores.items() if k.startswith("eval/acc/")},
-                "budget_share": cfg.topk_blocks / cfg.num_blocks(length),
-                "seconds": round(time.perf_counter() - t0, 1),
-            }
-            if name != "dense":
-                stats = selection_stats(model, rows[0]["input_ids"], cfg)
-                entry.update(
-                    churn_mean=stats.get("select/churn_mean"),
-                    churn_max=stats.get("select/churn_max"),
-                    mass_in_selection=stats.get("select/mass"),
+    runs = []
+    for run in args.run:
+        dense_path, nosa_path = os.path.join(run, "dense"), os.path.join(run, "nosa")
+        for path in (dense_path, nosa_path):
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise SystemExit(
+                    f"bench_accuracy: no checkpoint at {path!r}; run "
+                    "`python -m nosa.train --config configs/train/tiny.yaml` first"
                 )
-            results.append(entry)
-            print(
-                f"{name:15s} L={length:5d} acc={entry['acc']:.3f} loss={entry['loss']:.3f} ({entry['seconds']}s)",
-                file=sys.stderr,
-                flush=True,
-            )
-        del model
+        cfg = nosa_config_of(AutoConfig.from_pretrained(nosa_path))
+        if cfg is None:
+            raise SystemExit(f"bench_accuracy: {nosa_path} is not a NOSA checkpoint")
+        runs.append((run, dense_path, nosa_path, cfg, run_config(nosa_path)))
+    cfg, train_cfg = runs[0][3], runs[0][4]
+    for run, *_, other_cfg, other_train in runs[1:]:
+        if other_cfg != cfg or other_train["seq_len"] != train_cfg["seq_len"]:
+            raise SystemExit(f"bench_accuracy: {run} has another NosaConfig or seq_len than {runs[0][0]}")
+    train_len = train_cfg["seq_len"]
+    lengths = args.lengths or [train_len, 2 * train_len, 4 * train_len]
+    examples = args.examples
+    if args.quick:
+        lengths, examples = [min(lengths)], min(examples, 8)
+    for length in lengths:
+        if length % cfg.block_size:
+            raise SystemExit(f"bench_accuracy: --lengths {length} is not a multiple of block_size {cfg.block_size}")
+
+    per_seed: dict[tuple[str, int], list[dict]] = {}
+    for run, dense_path, nosa_path, run_cfg, _ in runs:
+        tokenizer = load_tokenizer(nosa_path)
+        data = {n: heldout(tokenizer, train_cfg, cfg, n, examples, args.seed + n) for n in lengths}
+        for variant, load in loaders(dense_path, nosa_path, cfg).items():
+            model = load()
+            for n in lengths:
+                t0 = time.perf_counter()
+                result = measure(model, data[n], cfg, sparse=variant != "dense")
+                result["seconds"] = round(time.perf_counter() - t0, 1)
+                per_seed.setdefault((variant, n), []).append(dict(result, run=run))
+                print(f"{run} {variant:15s} L={n:5d} acc={result['acc']:.3f} loss={result['loss']:.3f} "
+                      + " ".join(f"{k}={result[k]:.3f}" for k in SPARSE_KEYS if k in result)
+                      + f" ({result['seconds']}s)", file=sys.stderr, flush=True)
+            del model
+    results = [
+        {"variant": v, "length": n, "budget_share": cfg.topk_blocks / cfg.num_blocks(n), **summarize(rs), "per_seed": rs}
+        for (v, n), rs in per_seed.items()
+    ]
     report = {
         "nosa_config": cfg.to_dict(),
-        "dense": dense_path,
-        "nosa": nosa_path,
-        "tasks": tasks,
-        "accuracy": "all answer tokens right under teacher forcing (= greedy decoding)",
-        "loss": "mean cross-entropy over the answer tokens",
+        "runs": [r[0] for r in runs],
+        "train_seq_len": train_len,
+        "tasks": (train_cfg["data"]["synthetic"] or {}).get("tasks"),
+        "examples_per_length": examples,
+        "decode_steps": "every token of the question and its answers, per layer and KV head",
+        "spread": "mean and [min, max] over the runs (training seeds)",
         "results": results,
-        "env": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "quick": args.quick,
-        },
+        "env": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+                "cpus": os.cpu_count(), "quick": args.quick},
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     tmp = args.out + ".tmp"
@@ -158,70 +252,69 @@ def main(argv=None) -> int:
     print(table(results))
     print(f"\nwrote {args.out}")
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, len(runs))
         print(f"wrote {args.plot}")
     return 0
 
 
+def _cell(r, key, fmt="{:.1%}") -> str:
+    if not r or key not in r:
+        return "-"
+    s = r[key]
+    if s["min"] == s["max"]:
+        return fmt.format(s["mean"])
+    return f"{fmt.format(s['mean'])} [{fmt.format(s['min'])}, {fmt.format(s['max'])}]"
+
+
 def table(results) -> str:
-    """Markdown: one row per context length: accuracy and answer-token loss per variant, churn and
-    dense attention mass inside the selection for the NOSA variants."""
-    lengths = sorted({r["length"] for r in results})
+    """Markdown: one row per context length (mean [min, max] over seeds)."""
     get = {(r["variant"], r["length"]): r for r in results}
     lines = [
-        "| context | budget | accuracy: dense / A=0 / NOSA | answer loss: dense / A=0 / NOSA "
-        "| churn per step, mean/max: A=0 / NOSA | dense mass in selection: A=0 / NOSA |",
-        "|---|---|---|---|---|---|",
+        "| context | budget | accuracy: dense | A = 0 | NOSA | blocks entering per step, mean (max): A = 0 | NOSA "
+        "| hit rate, cache = budget: A = 0 | NOSA | dense mass in selection: A = 0 | NOSA |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for length in lengths:
-        d, f, n = (get.get((v, length), {}) for v in ("dense", "training_free", "nosa_finetuned"))
-        share = (n or f).get("budget_share", float("nan"))
-        lines.append(
-            f"| {length} | {share:.0%} of blocks | {_pct(d)} / {_pct(f)} / {_pct(n)} "
-            f"| {_num(d, 'loss')} / {_num(f, 'loss')} / {_num(n, 'loss')} | {_churn(f)} / {_churn(n)} "
-            f"| {_num(f, 'mass_in_selection')} / {_num(n, 'mass_in_selection')} |"
-        )
+    for n in sorted({r["length"] for r in results}):
+        d, f, s = (get.get((v, n)) for v in VARIANTS)
+        share = (s or f or d)["budget_share"]
+        cells = [_cell(d, "acc"), _cell(f, "acc"), _cell(s, "acc")]
+        for r in (f, s):
+            cells.append("-" if not r else f"{_cell(r, 'entering_mean', '{:.2f}')} ({r['entering_max']['max']:.0f})")
+        cells += [_cell(f, "hit_rate"), _cell(s, "hit_rate"), _cell(f, "mass", "{:.3f}"), _cell(s, "mass", "{:.3f}")]
+        lines.append(f"| {n} | {share:.0%} of blocks | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _num(r, key) -> str:
-    return "-" if not r or r.get(key) is None else f"{r[key]:.3f}"
-
-
-def plot(results, out: str) -> None:
+def plot(results, out: str, seeds: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lengths = sorted({r["length"] for r in results})
-    names = [("dense", "dense"), ("training_free", "training-free (A=0)"), ("nosa_finetuned", "NOSA fine-tuned")]
-    fig, (acc_ax, churn_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
-    width = 0.8 / len(names)
-    for i, (key, label) in enumerate(names):
-        rows = {r["length"]: r for r in results if r["variant"] == key}
-        xs = [j + i * width for j in range(len(lengths))]
-        acc_ax.bar(xs, [100 * (rows.get(n, {}).get("acc") or 0) for n in lengths], width, label=label)
-        if key != "dense":
-            churn_ax.bar(xs, [rows.get(n, {}).get("churn_mean") or 0 for n in lengths], width, label=label)
-    for ax, title in ((acc_ax, "held-out accuracy (%)"), (churn_ax, "blocks entering per decode step (mean)")):
+    get = {(r["variant"], r["length"]): r for r in results}
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    panels = [
+        (axes[0], "acc", VARIANTS, 100, "held-out exact-answer accuracy (%)"),
+        (axes[1], "entering_mean", VARIANTS[1:], 1, "blocks entering per decode step (recalls)"),
+        (axes[2], "hit_rate", VARIANTS[1:], 100, "hit rate, device cache = budget (%)"),
+    ]
+    for ax, key, variants, scale, title in panels:
+        width = 0.8 / len(variants)
+        for i, v in enumerate(variants):
+            rows = [get.get((v, n), {}).get(key) for n in lengths]
+            mean = [scale * r["mean"] if r else 0 for r in rows]
+            err = [[scale * (r["mean"] - r["min"]) if r else 0 for r in rows],
+                   [scale * (r["max"] - r["mean"]) if r else 0 for r in rows]]
+            ax.bar([j + i * width for j in range(len(lengths))], mean, width, yerr=err, capsize=3, label=LABELS[v])
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))], [str(n) for n in lengths])
         ax.set_xlabel("context (tokens)")
-        ax.set_title(title)
+        ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
+    fig.suptitle(f"tiny model, {seeds} training seed(s): bars = mean, whiskers = min..max", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)
-
-
-def _pct(r) -> str:
-    return "-" if not r or r.get("acc") is None else f"{100 * r['acc']:.1f}%"
-
-
-def _churn(r) -> str:
-    if not r or r.get("churn_mean") is None:
-        return "-"
-    return f"{r['churn_mean']:.2f}/{r['churn_max']:.0f}"
 
 
 if __name__ == "__main__":

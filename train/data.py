@@ -147,15 +147,27 @@ def build_rows(paths, tokenizer, seq_len: int, text_field: str = "text", num_pro
     return pack(ds, seq_len, tokenizer.pad_token_id, tokenizer.eos_token_id, examples)
 
 
-def prepare_synthetic(sec, seq_len: int, vocab_size: int, tokenizer_path: str | None, rank: int) -> str:
+def prepare_synthetic(
+    sec, seq_len: int, vocab_size: int, tokenizer_path: str | None, rank: int, lengths=(), head: int = 0, tail: int = 0
+) -> str:
     """Make sure ``sec.dir`` holds the synthetic dataset for these settings (rank 0 writes it,
-    atomically, with the tokenizer its lengths were measured with, under ``tokenizer/``)."""
+    atomically, with the tokenizer its lengths were measured with, under ``tokenizer/``): examples
+    at seq_len and every curriculum length in ``lengths``, facts placed between ``head`` and
+    ``tail`` tokens (nosa.train.synthetic)."""
     import torch.distributed as dist
 
     from nosa.train import synthetic
     from nosa.train.tokenizer import load_tokenizer, token_counter, train_tokenizer
 
-    want = dict(version=1, seq_len=seq_len, tokenizer=tokenizer_path or f"byte-bpe-{vocab_size}")
+    want = dict(
+        version=2,
+        seq_len=seq_len,
+        tokenizer=tokenizer_path or f"byte-bpe-{vocab_size}",
+        lengths=sorted(set(lengths) | {seq_len}),
+        head=head,
+        tail=tail,
+        depth=list(sec.depth),
+    )
     meta = synthetic.read_meta(sec.dir) or {}
     same = all(meta.get(k) == v for k, v in want.items()) and all(
         meta.get(k) == v
@@ -180,6 +192,10 @@ def prepare_synthetic(sec, seq_len: int, vocab_size: int, tokenizer_path: str | 
             token_counter(tok),
             meta=want,
             extra=lambda d: tok.save_pretrained(os.path.join(d, "tokenizer")),
+            lengths=list(lengths),
+            head=head,
+            tail=tail,
+            depth=tuple(sec.depth),
         )
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

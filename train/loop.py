@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nosa.train import checkpoint
+from nosa.train import checkpoint, synthetic
 from nosa.train.config import TrainConfig
 from nosa.train.data import batch_at, build_rows, offline_env, prepare_synthetic
 from nosa.train.engine import ds_config, init_distributed, initialize, zero_stage
@@ -40,23 +40,27 @@ def run(cfg: TrainConfig) -> dict:
     # ---- tokenizer and data ---------------------------------------------------------------------
     tok_path = cfg.tokenizer.path or cfg.model.path
     if cfg.data.synthetic is not None:
-        data_dir = prepare_synthetic(cfg.data.synthetic, cfg.seq_len, cfg.tokenizer.vocab_size, tok_path, rank)
+        nosa_cfg = cfg.nosa_config  # facts outside the sinks and the question's local window
+        data_dir = prepare_synthetic(
+            cfg.data.synthetic, cfg.seq_len, cfg.tokenizer.vocab_size, tok_path, rank, cfg.seq_lens,
+            head=nosa_cfg.sink_blocks * nosa_cfg.block_size, tail=nosa_cfg.window_blocks * nosa_cfg.block_size,
+        )
         tok_path = tok_path or os.path.join(data_dir, "tokenizer")
-        train_files = [os.path.join(data_dir, "train.jsonl")]
+        train_files = {n: [synthetic.train_file(data_dir, n, cfg.seq_len)] for n in cfg.seq_lens}
         eval_files = cfg.data.eval_files or [os.path.join(data_dir, "heldout.jsonl")]
     else:
-        train_files, eval_files = cfg.data.train_files, cfg.data.eval_files
+        train_files = {n: cfg.data.train_files for n in cfg.seq_lens}
+        eval_files = cfg.data.eval_files
     if tok_path is None:
         raise ValueError("tokenizer: with data.train_files and model.build, set tokenizer.path")
     tokenizer = load_tokenizer(resume or tok_path)
-    rows = build_rows(
-        train_files,
-        tokenizer,
-        cfg.seq_len,
-        cfg.data.text_field,
-        cfg.data.num_proc,
-        targets_only=cfg.data.loss_on == "targets",
-    )
+    rows_at = {  # rows by length: the curriculum's stages and seq_len (cfg.stage_at)
+        n: build_rows(
+            files, tokenizer, n, cfg.data.text_field, cfg.data.num_proc, targets_only=cfg.data.loss_on == "targets"
+        )
+        for n, files in train_files.items()
+    }
+    rows = rows_at[cfg.seq_len]
     eval_rows = build_rows(eval_files, tokenizer, cfg.seq_len, cfg.data.text_field) if eval_files else None
 
     # ---- model ----------------------------------------------------------------------------------
@@ -99,7 +103,7 @@ def run(cfg: TrainConfig) -> dict:
             phase,
             engine,
             tokenizer,
-            rows,
+            rows_at,
             eval_rows,
             state,
             end,
@@ -115,7 +119,7 @@ def run(cfg: TrainConfig) -> dict:
 
 
 def _train_phase(
-    cfg, phase, engine, tokenizer, rows, eval_rows, state, end, rank, world, tokens_per_step, stage, logger, print0
+    cfg, phase, engine, tokenizer, rows_at, eval_rows, state, end, rank, world, tokens_per_step, stage, logger, print0
 ) -> dict:
     from tqdm import tqdm
 
@@ -128,8 +132,10 @@ def _train_phase(
         lrs = {f"lr/{g.get('name', 'all')}": g["lr"] for g in engine.optimizer.param_groups}
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
+        length, micro_batch = cfg.stage_at(step)
+        rows = rows_at[length]
         for micro in range(cfg.grad_accum):
-            batch = batch_at(rows, step, micro, cfg.grad_accum, cfg.micro_batch, rank, world, cfg.seed)
+            batch = batch_at(rows, step, micro, cfg.grad_accum, micro_batch, rank, world, cfg.seed)
             # position_ids restart per packed document and, with no cache, give both the dense and
             # the NOSA attention a per-document mask (nosa.train.data)
             out = engine(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device),
@@ -163,7 +169,7 @@ def _train_phase(
             metrics.update(evaluate(model, eval_rows, cfg.eval_examples))
         stats_due = cfg.stats_every and done % cfg.stats_every == 0
         if is_nosa(model.config) and (last_step or stats_due or (cfg.eval_every and done % cfg.eval_every == 0)):
-            sample = (eval_rows or rows)[0]["input_ids"]
+            sample = (eval_rows or rows_at[cfg.seq_len])[0]["input_ids"]
             metrics.update(selection_stats(model, sample, cfg.nosa_config))
         if done % cfg.log_every == 0 or last_step or any(k.startswith("eval/") for k in metrics):
             logger.log(metrics, step=done)

@@ -156,3 +156,30 @@ def test_checkpoint_is_accepted_by_the_serving_loader(first):
     trained = result["model"].model.layers[1].self_attn.nosa_evict
     assert torch.equal(heads[1].scale, trained.scale.detach().float())
     assert torch.equal(heads[1].proj.weight, trained.proj.weight.detach().float())
+
+
+def test_curriculum_trains_short_rows_first(tmp_path, smoke_overrides, monkeypatch):
+    """A dense step on 128-token rows (twice as many per micro step), then the rest at seq_len;
+    the stage's data file is generated beside train.jsonl with facts outside sinks and window."""
+    from nosa.train import loop
+
+    shapes = []
+    real = loop.batch_at
+
+    def recording(*args, **kwargs):
+        batch = real(*args, **kwargs)
+        shapes.append(tuple(batch["input_ids"].shape))
+        return batch
+
+    monkeypatch.setattr(loop, "batch_at", recording)
+    overrides = smoke_overrides(str(tmp_path), dense_steps=2, steps=1, eval_every=0, save_every=0)
+    cfg = load_config(SMOKE, overrides + ["curriculum=[[1, 128]]", "wandb.mode=disabled"])
+    run(cfg)
+    # grad_accum 2: two micro batches per step
+    assert shapes == [(2, 128)] * 2 + [(1, 256)] * 4
+    data = cfg.data.synthetic.dir
+    with open(os.path.join(data, "meta.json")) as f:
+        meta = json.load(f)
+    assert meta["lengths"] == [128, 256]
+    assert meta["head"] == 16 and meta["tail"] == 32  # smoke: 1 sink block, 2 window blocks of 16
+    assert os.path.isfile(os.path.join(data, "train-128.jsonl"))
