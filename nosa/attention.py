@@ -420,7 +420,8 @@ def attend_gathered(
     q [n, Hq, D]; k_rows, v_rows [N, D] (e.g. a [L, Hkv, D] cache viewed as [L * Hkv, D], or a
     device block cache [S, B, D] viewed as [S * B, D]); rows [n, Hkv, T] long, the pool rows of row
     i's keys for each KV head; bias [n, Hkv, T] added to the logits (cis, -inf for keys to skip).
-    Returns (out [n, Hq, Dv] in q's dtype, lse [n, Hq] float32): lse is the natural log of the sum
+    Returns (out [n, Hq, Dv] in q's dtype, lse [n, Hq] in the softmax dtype (float32, float64 for
+    float64 inputs)): lse is the natural log of the sum
     of exp(scale * q.k + bias) over the row's keys, so results over disjoint key sets merge exactly
     (``merge_attention``); a row with no key gets out 0 and lse -inf.
     One row at a time, so its gathered K/V stay in cache between gather and matmul: gathering every
@@ -441,7 +442,7 @@ def attend_gathered(
         v_i = v_rows.index_select(0, index).to(dt).view(hkv, -1, v_rows.shape[-1])
         outs.append(torch.bmm(probs, v_i).view(hq, -1))
         lses.append(lse.view(hq))
-    return torch.stack(outs).to(q.dtype), torch.stack(lses).float()
+    return torch.stack(outs).to(q.dtype), torch.stack(lses)
 
 
 def merge_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -452,7 +453,8 @@ def merge_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple
     """
     lse = torch.logsumexp(torch.stack(lses), dim=0)
     safe = lse.masked_fill(lse == NEG_INF, 0.0)
-    out = sum(torch.exp(part - safe)[..., None] * o.float() for o, part in zip(outs, lses))
+    dt = torch.promote_types(compute_dtype(outs[0]), lse.dtype)
+    out = sum(torch.exp(part - safe).to(dt)[..., None] * o.to(dt) for o, part in zip(outs, lses))
     return out.to(outs[0].dtype), lse
 
 
