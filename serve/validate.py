@@ -37,12 +37,12 @@ def validate_prompt(input_ids, vocab_size: int) -> None:
     if len(input_ids) == 0:
         raise ValueError("the prompt has no tokens (empty input_ids, or text that tokenizes to "
                          "nothing): send at least one token")
-    try:
-        low, high = min(input_ids), max(input_ids)
+    try:  # nested lists compare with each other, but not with 0: both raise TypeError
+        outside = min(input_ids) < 0 or max(input_ids) >= vocab_size
     except TypeError:
         bad = next(x for x in input_ids if not isinstance(x, int))
         raise ValueError(f"input_ids must be integers, got {type(bad).__name__} {bad!r}") from None
-    if low < 0 or high >= vocab_size:
+    if outside:
         index, value = next((i, x) for i, x in enumerate(input_ids) if x < 0 or x >= vocab_size)
         raise ValueError(f"input_ids[{index}] = {value} is outside the model's vocabulary "
                          f"[0, {vocab_size}) (prompt of {len(input_ids)} tokens)")

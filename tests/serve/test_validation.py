@@ -133,6 +133,7 @@ def _raw(server, text: str):
 @pytest.mark.parametrize("ids,says", [
     ([], "no tokens"), ([0, 319], None), ([0, 320], "input_ids[1] = 320"), ([-1], "input_ids[0] = -1"),
     ([3, 2**63 - 1], "input_ids[1] = 9223372036854775807"), ([1, "a"], "must be integers, got str"),
+    ([[1], [2]], "must be integers, got list"),
 ])
 def test_validate_prompt(ids, says):
     if says is None:
