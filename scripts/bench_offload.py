@@ -19,7 +19,8 @@
   the stall share of the step and the prefetch hit rate per layer (demand misses avoided), from
   the server's per-step timeline (nosa.serve.step_stats).
 - ``trace``: Poisson arrivals of requests of mixed lengths (log-uniform in ``--trace-lengths``,
-  default 1K-64K, --quick 512-8K) under one device budget, with the scheduler, admission off vs
+  default 1K-64K; --quick: 512-8K, 8 requests, at least 0.3 arrivals/s) under one device
+  budget, with the scheduler, admission off vs
   on ($NOSA_ADMISSION=1): throughput and p50/p99 time per output token. The admission-on
   server's timeline is saved (``--timeline``) and plotted (``--dashboard``, scripts/serve_dashboard.py).
 Not a test: nothing is asserted. Writes JSON (and prints each row).
@@ -203,7 +204,7 @@ def bench_decode(args, work, ckpt) -> dict:
 
     cfg = NosaConfig()
     contexts = [8192] if args.quick else args.contexts
-    max_ctx = max(contexts) + args.new_tokens + 16
+    max_ctx = max(contexts) + args.decode_tokens + 16
     common = ["--attention-backend", "nosa", "--chunked-prefill-size", "4096", "--context-length", str(max_ctx),
               "--max-running-requests", str(args.batch)]
     rows = []
@@ -314,18 +315,19 @@ def bench_trace(args, work, ckpt) -> dict:
 
     cfg = NosaConfig()
     lo, hi = (512, 8192) if args.quick else args.trace_lengths
-    count = args.trace_requests if not args.quick else min(args.trace_requests, 10)
+    count = args.trace_requests if not args.quick else min(args.trace_requests, 8)
+    rate = args.trace_rate if not args.quick else max(args.trace_rate, 0.3)
     rng = random.Random(0)
     lengths = [int(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(count)]
     arrivals, t = [], 0.0
     for _ in range(count):
-        t += rng.expovariate(args.trace_rate)
+        t += rng.expovariate(rate)
         arrivals.append(t)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]
     device = args.trace_budget_requests * cfg.budget_tokens
     host = sum(lengths) + count * (args.trace_new_tokens + 64) + 4096
     out = {"lengths": lengths, "arrivals_s": [round(a, 2) for a in arrivals], "device_kv_tokens": device,
-           "new_tokens": args.trace_new_tokens, "rate_per_s": args.trace_rate}
+           "new_tokens": args.trace_new_tokens, "rate_per_s": rate}
     for mode in ("admission_off", "admission_on"):
         stats = os.path.join(work, f"trace_{mode}_stats.json")
         env = {**_offload_env(host, device, stats), "NOSA_RECALL_SCHEDULER": "1"}

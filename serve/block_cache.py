@@ -17,14 +17,15 @@ Resolve, per layer and step, for the whole batch at once:
 A group whose resident blocks went stale (tokens written other than by a decode step, e.g. a
 prefill chunk) drops those blocks before the diff, so they are recalled.
 
-Scheduling (issue 9, ``scheduler``: nosa.serve.recall_scheduler): the misses go to the recall
-worker as a demand transfer and the layer waits only for it; ``prefetch(layer + 1, ...)``, issued
-while layer ``layer`` computes, copies predicted blocks into EMPTY slots only (never evicting a
-resident block), and the layer's resolve first claims it: only the items that landed count as
-resident, the rest are dropped. The diff then runs as if the prefetch had not happened, so the
-slot map after every resolve is exactly the one without prefetch (outputs and every later hit
-and miss are the same with scheduling on or off); a selected block that a prefetch landed is
-moved on the device into its slot, a hit (``prefetch_hits``) instead of a host recall.
+Scheduling (issue 9, ``scheduler``: nosa.serve.recall_scheduler): the misses are a demand copy
+(prefetching pauses at its next chunk boundary meanwhile) and the layer waits only for them;
+``prefetch(layer + 1, ...)``, issued while layer ``layer`` computes, copies predicted blocks into
+EMPTY slots only (never evicting a resident block), and the layer's resolve first claims it:
+only the items that landed count as resident, the rest are dropped. The diff then runs as if the
+prefetch had not happened, so the slot map after every resolve is exactly the one without
+prefetch (outputs and every later hit and miss are the same with scheduling on or off); a
+selected block that a prefetch landed is moved on the device into its slot, a hit
+(``prefetch_hits``) instead of a host recall.
 
 Slot columns (issue 9, admission): slot j of group g is physical column ``col_of[g, j]``; column p
 is the item set ``((p // home) * Hkv + h) * home + p % home`` of every KV head h (``home`` slots per
@@ -32,7 +33,9 @@ group: without admission all NS slots, so column g * NS + j is slot j of group g
 admission, groups own ``home = topk`` columns and may borrow idle groups' columns as extra slots
 (``set_extra``); a group that starts takes its own columns back (``activate``).
 
-Counters (``stats``): per layer, selected blocks, hits, misses (= recalled items), recalled bytes,
+Counters (``stats``): per layer, selected blocks, hits (prefetch hits included), misses (= items
+recalled on demand), recalled bytes, prefetched / prefetch_hits / prefetch_dropped items, recall
+and stall seconds of synchronous copies (without a scheduler; with one, see its ``stats``),
 and for "warm" steps (the group's previous step was a decode step, so the cache is in steady
 state) selected blocks, hits and the most misses one (request, KV head) had: the locality bound
 says at most query_blocks + 1 for heads with A != 0.
@@ -46,7 +49,7 @@ import time
 import torch
 
 from nosa.kv import DeviceRows
-from nosa.serve.recall_scheduler import DEMAND, PREFETCH
+from nosa.serve.recall_scheduler import PREFETCH
 
 
 class DeviceBlockCache:
@@ -311,11 +314,10 @@ class DeviceBlockCache:
             heads = torch.arange(self.hkv, device=wanted.device)[None, :, None]
             src = torch.where(demand, pages * self.hkv + heads, -1).flatten()
             dst = torch.where(demand, item, -1).flatten()
-            if self.scheduler is not None:  # the worker copies; this layer waits for its own blocks only
+            if self.scheduler is not None:  # prefetching pauses while this layer's own misses are copied
                 which = demand.flatten().nonzero().flatten()
-                job = self.scheduler.submit(layer, DEMAND, dst_bufs, list(host_items), dst.index_select(0, which),
-                                            src.index_select(0, which))
-                self.scheduler.wait(layer, [job])
+                self.scheduler.demand(layer, dst_bufs, list(host_items), dst.index_select(0, which),
+                                      src.index_select(0, which))
             else:
                 start = time.perf_counter()
                 ops.copy_items(dst_bufs, list(host_items), dst, src)

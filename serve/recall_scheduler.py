@@ -10,6 +10,9 @@ The device block cache (nosa.serve.block_cache) hands its copies (host pool item
   where it stopped;
 - ``wait(layer)`` blocks until that layer's demand transfers are done: a layer never waits for
   another layer's blocks nor for the queue (one event per transfer, SGLang's layer-wise pattern);
+- ``demand(...)``, what the block cache uses: the layer's misses are copied in the calling thread
+  (no hand-off to the worker, whose wake-up costs more than a few items' copy on a busy CPU) while
+  the worker pauses prefetching at its next chunk boundary (a preemption) and resumes after;
 - ``claim(transfer)`` is called when the prefetch's layer is about to resolve (its layer has come):
   the chunks not yet started are dropped, the chunk in flight is waited for, and the number of
   items that landed is returned (chunks run in order, so they are a prefix of the index list).
@@ -77,6 +80,8 @@ class RecallScheduler:
         self._current: Transfer | None = None
         self._last_kind = None
         self._stream = None
+        self._demanding = 0  # inline demand copies running (the worker pauses prefetches meanwhile)
+        self._preempted: Transfer | None = None
         self.stats = {key: [0.0 if key.endswith("seconds") else 0 for _ in range(num_layers)] for key in
                       ("demand_seconds", "prefetch_seconds", "stall_seconds", "demand_items", "prefetch_items",
                        "dropped_items", "preemptions", "resumed")}
@@ -123,6 +128,36 @@ class RecallScheduler:
         self.stats["stall_seconds"][layer] += stalled
         return stalled
 
+    def demand(self, layer: int, dst, src, dst_idx: torch.Tensor, src_idx: torch.Tensor) -> float:
+        """Copy a layer's misses now, in the calling thread, pausing prefetches at their next chunk
+        boundary; returns the seconds it took (the layer's stall)."""
+        n = int(dst_idx.numel())
+        if n == 0:
+            return 0.0
+        with self._cv:
+            self._demanding += 1
+            current = self._current
+            if current is not None and current.kind == PREFETCH and not current.finished():
+                self.stats["preemptions"][current.layer] += 1
+                self._preempted = current
+            if self.keep_order:
+                self.order.append((DEMAND, layer, 0))
+        start = time.perf_counter()
+        try:
+            delay = self._delay(DEMAND, layer) if callable(self._delay) else self._delay
+            if delay:
+                time.sleep(delay)
+            self._copy(list(dst), list(src), dst_idx, src_idx)
+        finally:
+            with self._cv:
+                self._demanding -= 1
+                self._cv.notify_all()
+        seconds = time.perf_counter() - start
+        self.stats["demand_seconds"][layer] += seconds
+        self.stats["stall_seconds"][layer] += seconds
+        self.stats["demand_items"][layer] += n
+        return seconds
+
     def claim(self, job: Transfer) -> int:
         """The prefetch's layer has come: drop its chunks not started, wait for the one in flight;
         returns how many leading items landed."""
@@ -158,6 +193,8 @@ class RecallScheduler:
         demand = [j for j in self._queue if j.kind == DEMAND and not j.cancelled]
         if demand:
             return demand[0]
+        if self._demanding:  # an inline demand copy runs: prefetches wait for it
+            return None
         prefetch = [j for j in self._queue if not j.cancelled]
         return prefetch[0] if prefetch else None
 
@@ -173,8 +210,9 @@ class RecallScheduler:
                 if job.kind == DEMAND and self._last is not None and self._last.kind == PREFETCH \
                         and not self._last.finished() and self._last.started:
                     self.stats["preemptions"][self._last.layer] += 1
-                if job.kind == PREFETCH and job.started and self._last is not job:
+                if job.kind == PREFETCH and job.started and (self._last is not job or self._preempted is job):
                     self.stats["resumed"][job.layer] += 1
+                    self._preempted = None
                 lo, hi = job.next, min(job.items, job.next + job.chunk)
                 job.next, job.started = hi, True
                 self._current = self._last = job

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -228,3 +229,38 @@ def test_predicted_blocks_hold_the_static_part_and_the_previous_selection():
         assert static and static <= guess and static <= set(real[h].tolist())
         assert set(previous[h].tolist()) - {-1} <= guess
         assert set(pred[1, h].tolist()) - {-1} == {0, 1, 2}  # 40 tokens = 3 blocks of 16, dense
+
+
+def test_an_inline_demand_pauses_prefetching_at_the_chunk_boundary_and_prefetching_resumes():
+    """The block cache's path: a layer copies its own misses in its thread; the worker finishes the
+    prefetch chunk it is in, starts no other until the demand is done, then resumes."""
+    events, started, release = [], threading.Event(), threading.Event()
+
+    def copy(dst, src, dst_idx, src_idx):
+        if int(dst_idx[0]) < 32:  # prefetch chunks; the first one waits until the demand started
+            events.append(("prefetch", int(dst_idx[0])))
+            if not started.is_set():
+                started.set()
+                assert release.wait(10)
+        else:
+            events.append(("demand start", 0))
+            release.set()
+            time.sleep(0.3)  # the worker is free now: it must not take the next prefetch chunk
+            events.append(("demand end", 0))
+        for d, s in zip(dst, src):
+            d[dst_idx] = s[src_idx]
+
+    sched = RecallScheduler(num_layers=2, chunk_items=4, copy_fn=copy)
+    dst, src = _buffers()
+    try:
+        pre = sched.submit(1, PREFETCH, [dst], [src], torch.arange(0, 12), torch.arange(0, 12))
+        assert started.wait(10)
+        stalled = sched.demand(0, [dst], [src], torch.arange(40, 44), torch.arange(40, 44))
+        assert stalled >= 0.3 and torch.equal(dst[40:44], src[40:44])
+        assert pre.done.wait(10) and sched.claim(pre) == 12 and torch.equal(dst[:12], src[:12])
+        assert events == [("prefetch", 0), ("demand start", 0), ("demand end", 0), ("prefetch", 4), ("prefetch", 8)]
+        assert sched.stats["preemptions"][1] == 1 and sched.stats["resumed"][1] == 1
+        assert sched.stats["demand_items"][0] == 4 and sched.stats["stall_seconds"][0] >= 0.3
+    finally:
+        release.set()
+        sched.close()
