@@ -52,11 +52,13 @@ class ServerProcess:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(1.0)
+        tail = self.log_tail()  # before stop(), which closes the log
         self.stop()
-        raise RuntimeError(f"SGLang server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+        raise RuntimeError(f"SGLang server not healthy after {timeout:.0f} s:\n{tail}")
 
     def log_tail(self, chars: int = 4000) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         with open(self.log_path, errors="replace") as f:
             return f.read()[-chars:]
 
