@@ -98,6 +98,7 @@ def plot(records: list[dict], out: str, title: str = "nosa serving dashboard") -
     ax.bar([x + 0.2 for x in layers], [h / max(n, 1) for h, n in zip(tot["hits"], tot["selected"])], width=0.4,
            label="hit rate")
     ax.set_xlabel("layer")
+    ax.set_xticks(layers)
     ax.set_ylim(0, 1.05)
     ax.set_title("per layer: demand misses avoided by prefetch")
     ax.legend(fontsize=7)
