@@ -28,6 +28,9 @@ NEG_INF = float("-inf")
 # do not share; a group above it is split in halves (down to single rows). Bounds the gathered
 # memory of a group (x head_dim), so it stays in cache between gather and matmul.
 REST_TOKENS = 1 << 16
+# rows per group (rounded to whole blocks): larger groups share fewer blocks, so each row gathers
+# more keys of its own; smaller ones pay the per-group overhead more often (measured on CPU)
+ROW_CHUNK_ROWS = 64
 # (inference) rows with more than this many keys of their own per KV head go one at a time
 ROW_REST_TOKENS = 512
 # a training call keeps its groups' probabilities and gathered keys for backward up to this many
@@ -52,8 +55,8 @@ def nosa_prefill(
     Returns (out [n, Hq, D], selection [n, Hkv, K] long, -1 padded).
 
     Selection runs for many rows at once (bounded by SELECT_ELEMENTS); attention goes through
-    ``_attend_selected`` in groups of rows aligned to ``row_chunk`` positions (default: the
-    multiple of block_size nearest 64), so the work per row follows the budget, not the context.
+    ``_attend_selected`` in groups of rows aligned to ``row_chunk`` positions (default:
+    ``default_row_chunk``), so the work per row follows the budget, not the context.
     """
     n, hq, d = q.shape
     length, hkv, _ = k.shape
@@ -64,7 +67,7 @@ def nosa_prefill(
     if cis.shape != (length, hkv):
         raise ValueError(f"nosa_prefill: cis must be [L, Hkv] = [{length}, {hkv}], got {list(cis.shape)}")
     if row_chunk is None:
-        row_chunk = max(1, round(64 / cfg.block_size)) * cfg.block_size
+        row_chunk = default_row_chunk(cfg)
     first = length - n
     num_blocks = cfg.num_blocks(length)
     dense_rows = min(n, max(0, cfg.dense_len - first))  # rows whose context fits in dense_len
@@ -93,6 +96,11 @@ def nosa_prefill(
             outs.append(_attend_selected(q[dense_rows:], k, v, cis, selection[dense_rows:], positions, cfg, scale,
                                          row_chunk=row_chunk))
     return torch.cat(outs), selection
+
+
+def default_row_chunk(cfg: NosaConfig) -> int:
+    """Rows per group of ``_attend_selected``: the whole blocks nearest ROW_CHUNK_ROWS rows."""
+    return max(1, round(ROW_CHUNK_ROWS / cfg.block_size)) * cfg.block_size
 
 
 def nosa_prefill_varlen(
@@ -158,7 +166,8 @@ def _attend_selected(
     ascending, < L. Returns out [n, Hq, Dv] in q's dtype; differentiable in q, k, v and cis.
 
     Rows go in groups (``_row_groups``): the rows of one chunk of ``row_chunk`` positions
-    (default: the multiple of block_size nearest 64) share their forced window and most of their
+    (default: ``default_row_chunk``, 64 rows rounded to whole blocks) share their sinks, much of
+    their forced window and most of their
     static blocks. The blocks every row of the group selected are gathered once per KV head and
     attended by all rows in one matmul; each row gathers only its other selected blocks (batched
     over the group's rows); one softmax spans both parts. So no key is computed that a row did not
@@ -170,12 +179,13 @@ def _attend_selected(
     graph of per-row gathers whose backward would allocate tensors of size L per group.
     """
     if row_chunk is None:
-        row_chunk = max(1, round(64 / cfg.block_size)) * cfg.block_size
+        row_chunk = default_row_chunk(cfg)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cis))
     with torch.no_grad():
         groups = _row_groups(sel, positions, cfg, row_chunk, k.shape[0], split=training)
-        if training:
-            return _SelectedAttention.apply(q, k, v, cis, groups, scale, cfg.block_size, True)
+    if training:  # outside no_grad: the autograd node must be recorded
+        return _SelectedAttention.apply(q, k, v, cis, groups, scale, cfg.block_size, True)
+    with torch.no_grad():
         # inference: groups whose rows have many keys of their own go row by row (attend_gathered:
         # each row's keys stay in cache between gather and matmul; measured faster on CPU there)
         pools = _pools(k, v, cis, compute_dtype(q), cfg.block_size)
