@@ -58,7 +58,8 @@ class RequestStates:
                 entry = (generation, [None] * self.num_layers)
                 self._rows[row] = entry
             entry[1][layer] = state
-        self._write_stats()
+        if layer in (0, self.num_layers - 1):  # a new request shows at once; not once per layer (the
+            self._write_stats()  # file may carry the offloading timeline, nosa.serve.step_stats)
 
     def counts(self) -> dict:
         with self._lock:

@@ -6,7 +6,7 @@ step's wall time (attention layers and what runs between them), its batch size, 
 change in the block cache's counters (selected, hits, misses, prefetch hits, prefetched and
 dropped items, recalled bytes) and the recall scheduler's (recall seconds for demand and prefetch,
 stall seconds: time a layer waited for its own blocks), plus resident slots and the admission
-controller's state and decisions. The newest ``keep`` records go into the stats file
+controller's state and decisions. The newest ``keep`` (256) records go into the stats file
 ($NOSA_SERVE_STATS_FILE, key ``timeline``); with $NOSA_SERVE_WANDB set (offline, online;
 disabled: off) every record is logged to W&B as the training loop does (nosa.train.wandb_log:
 offline by default, into $NOSA_SERVE_WANDB_DIR, also a metrics.jsonl there).
@@ -27,7 +27,7 @@ CACHE_KEYS = ("selected", "hits", "misses", "prefetch_hits", "prefetched", "pref
 
 
 class StepStats:
-    def __init__(self, cache, scheduler=None, admission=None, keep: int = 512):
+    def __init__(self, cache, scheduler=None, admission=None, keep: int = 256):
         self.cache, self.scheduler, self.admission = cache, scheduler, admission
         self.timeline: deque = deque(maxlen=keep)
         self.step = 0
