@@ -31,6 +31,9 @@ REST_TOKENS = 1 << 16
 # rows per group (rounded to whole blocks): larger groups share fewer blocks, so each row gathers
 # more keys of its own; smaller ones pay the per-group overhead more often (measured on CPU)
 ROW_CHUNK_ROWS = 64
+# (inference) a chunk whose rows together select at most UNION_LIMIT * topk_blocks blocks attends
+# over that union, each row masked to its own blocks (short contexts: one matmul beats gathers)
+UNION_LIMIT = 2
 # (inference) rows with more than this many keys of their own per KV head go one at a time
 ROW_REST_TOKENS = 512
 # a training call keeps its groups' probabilities and gathered keys for backward up to this many
@@ -218,9 +221,11 @@ def _row_groups(sel, positions, cfg: NosaConfig, row_chunk: int, length: int, sp
     each of their tokens (causality inside the current block; padding entries). ``rest`` = (rows
     [n * Hkv, R] long, valid [n * Hkv, R * B] bool): each row's other selected blocks (R may be 0).
     Groups are chunks of ``row_chunk`` positions, halved while their ``rest`` holds more than
-    REST_TOKENS (row, KV head, token) entries. Without ``split`` (inference), such a chunk instead
-    becomes (start, stop, None, None) when its rows average more than ROW_REST_TOKENS own keys
-    (per KV head): rows to attend one at a time."""
+    REST_TOKENS (row, KV head, token) entries. Without ``split`` (inference), a chunk whose union
+    of blocks is at most UNION_LIMIT budgets attends over that union (``shared`` = the union, each
+    row allowed its own blocks); a chunk above REST_TOKENS instead becomes (start, stop, None,
+    None) when its rows average more than ROW_REST_TOKENS own keys (per KV head): rows to attend
+    one at a time."""
     hkv, device, bsz = sel.shape[1], sel.device, cfg.block_size
     pool_base = (torch.arange(hkv, device=device) * cfg.num_blocks(length))[:, None]
     offsets = torch.arange(bsz, device=device)
@@ -236,7 +241,18 @@ def _row_groups(sel, positions, cfg: NosaConfig, row_chunk: int, length: int, sp
         n, last = stop - start, pos[stop - 1]
         sel_g = sel[start:stop]
         rows_pos = positions[start:stop, None, None]
-        in_all = selection_mask(sel_g, cfg.num_blocks(last + 1)).all(dim=0)  # [Hkv, NB']
+        row_blocks = selection_mask(sel_g, cfg.num_blocks(last + 1))  # [n, Hkv, NB']
+        in_any = row_blocks.any(dim=0)
+        if not split and int(in_any.sum(dim=-1).max()) <= UNION_LIMIT * cfg.topk_blocks:
+            # inference, rows that mostly agree: the union of their blocks, each row masked to its own
+            count = int(in_any.sum(dim=-1).max())
+            blocks_u = torch.sort(in_any.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :count]
+            mine = row_blocks.gather(-1, blocks_u[None].expand(n, -1, -1))  # [n, Hkv, U]
+            allowed_u = (mine[..., None] & ((blocks_u * bsz)[..., None] + offsets <= rows_pos[..., None])).flatten(-2)
+            empty = blocks_u.new_zeros(n * hkv, 0)
+            groups.append((start, stop, (blocks_u + pool_base, allowed_u), (empty, empty.bool())))
+            continue
+        in_all = row_blocks.all(dim=0)  # [Hkv, NB']
         # each row's selected blocks outside the shared set, compacted to the widest row
         shared_flag = in_all[None].expand(n, -1, -1).gather(-1, sel_g.clamp(min=0))
         rest_sel = torch.where((sel_g >= 0) & ~shared_flag, sel_g, -1)

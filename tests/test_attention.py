@@ -65,12 +65,16 @@ def brute_force_row(q, k, v, cis, blocks, t, cfg, scale):
     return out
 
 
-# inference paths: every chunk row by row (attend_gathered), whole chunks of shared + own keys
-@pytest.mark.parametrize("rest_tokens, row_rest_tokens", [(0, 0), (200, 1 << 20), (1 << 20, 0)])
+# inference paths: every chunk row by row (attend_gathered), whole chunks of shared + own keys,
+# every chunk over the union of its rows' blocks
+@pytest.mark.parametrize("rest_tokens, row_rest_tokens, union_limit", [(0, 0, 0), (200, 1 << 20, 0), (1 << 20, 0, 0),
+                                                                       (0, 0, 1000)])
 @pytest.mark.parametrize("dense_len", [0, 40])
-def test_sparse_prefill_matches_brute_force_over_its_selection(dense_len, rest_tokens, row_rest_tokens, monkeypatch):
+def test_sparse_prefill_matches_brute_force_over_its_selection(dense_len, rest_tokens, row_rest_tokens, union_limit,
+                                                               monkeypatch):
     monkeypatch.setattr("nosa.attention.REST_TOKENS", rest_tokens)
     monkeypatch.setattr("nosa.attention.ROW_REST_TOKENS", row_rest_tokens)
+    monkeypatch.setattr("nosa.attention.UNION_LIMIT", union_limit)
     length, hq, hkv, d = 180, 4, 2, 8
     cfg = NosaConfig.tiny(dense_len=dense_len)
     q, k, v = make(length, hq, hkv, d, seed=3)
