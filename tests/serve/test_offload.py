@@ -211,3 +211,18 @@ def test_scheduled_counters_add_up_and_feed_the_dashboard(servers, tmp_path):
         assert done.returncode == 0, done.stderr
         assert png.stat().st_size > 10_000
         assert json.loads(done.stdout[: done.stdout.rindex("}") + 1])["steps"] > 0
+
+
+def test_retracted_requests_give_back_their_blocks_and_finish_with_the_same_tokens(servers):
+    """Two requests whose decodes outgrow the 3000-token host pool (admitted on SGLang's estimate
+    of 0.7 x max_new_tokens): SGLang retracts one mid-decode and re-runs it later. Both finish with
+    offloading-off's tokens, and every state and device slot comes back."""
+    servers["on"].post("/flush_cache", {})
+    prompts = [tiny.prompt_ids(1000, 61), tiny.prompt_ids(1000, 62)]
+    want = [servers["off"].generate(p, 700) for p in prompts]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda p: servers["on"].generate(p, 700), prompts))
+    assert got == want
+    assert "retract" in servers["on"].log_tail(200_000).lower(), "no request was retracted: the test did not test that"
+    counts = _stats(servers, settle=60)
+    assert counts["requests"] == 0 and counts["device_slots_in_use"] == 0, counts
