@@ -90,15 +90,20 @@ def nosa_prefill(
     selection = torch.cat(sels)
     if dense_rows < n:
         positions = torch.arange(first + dense_rows, length, device=q.device)
-        from nosa import ops  # CUDA (or NOSA_KERNELS=triton): the Triton block-sparse kernel, fwd + bwd
-
-        if ops.use_kernels(q, k):
-            outs.append(ops.sparse_prefill_attention(q[dense_rows:], k, v, cis, selection[dense_rows:], positions,
-                                                     cfg.block_size, scale)[0])
-        else:
-            outs.append(_attend_selected(q[dense_rows:], k, v, cis, selection[dense_rows:], positions, cfg, scale,
-                                         row_chunk=row_chunk))
+        outs.append(attend_selected(q[dense_rows:], k, v, cis, selection[dense_rows:], positions, cfg, scale,
+                                    row_chunk=row_chunk))
     return torch.cat(outs), selection
+
+
+def attend_selected(q, k, v, cis, sel, positions, cfg: NosaConfig, scale: float, row_chunk: int | None = None):
+    """Selected-block attention of query rows (shapes as in ``_attend_selected``): the Triton
+    block-sparse kernel, forward and backward, on CUDA (or NOSA_KERNELS=triton, nosa.ops), else the
+    torch reference ``_attend_selected``. ``nosa_prefill`` and ``NosaDecodeState.prefill`` use it."""
+    from nosa import ops
+
+    if ops.use_kernels(q, k):
+        return ops.sparse_prefill_attention(q, k, v, cis, sel, positions, cfg.block_size, scale)[0]
+    return _attend_selected(q, k, v, cis, sel, positions, cfg, scale, row_chunk=row_chunk)
 
 
 def default_row_chunk(cfg: NosaConfig) -> int:

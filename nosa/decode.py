@@ -130,7 +130,7 @@ class NosaDecodeState:
         selected from them, and each chunk of ``row_chunk`` rows gathers the union of its rows'
         blocks (``kv.gather_blocks``), never the whole context: the offloading server's prefill.
         """
-        from nosa.attention import _attend_selected, dense_attention
+        from nosa.attention import attend_selected, dense_attention
         from nosa.select import query_block_scores
 
         cfg = self.cfg
@@ -164,7 +164,7 @@ class NosaDecodeState:
             sel_c = torch.where(rows_sel >= 0, compact[rows_sel.clamp(min=0)], -1)
             pos = positions[start:stop]
             pos_c = compact[pos // cfg.block_size] * cfg.block_size + pos % cfg.block_size
-            outs.append(_attend_selected(q[start:stop], k, v, cis, sel_c, pos_c, cfg, scale))
+            outs.append(attend_selected(q[start:stop], k, v, cis, sel_c, pos_c, cfg, scale))
             start = stop
         return torch.cat(outs), sel
 

@@ -141,3 +141,17 @@ def test_decode_through_the_kernels_equals_the_torch_path(monkeypatch):
         results.append(decode_attend([state], q[-1:], kv, 0.35, return_lse=True))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(results[1][1].float(), results[0][1].float(), rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_through_a_view_uses_the_kernel_when_asked(monkeypatch):
+    """NosaDecodeState.prefill goes through nosa.attention.attend_selected, so on CUDA (here
+    NOSA_KERNELS=triton under the interpreter) the offloading server's prefill runs the Triton
+    block-sparse kernel; it gives the torch path's rows."""
+    cfg = NosaConfig.tiny(dense_len=0)
+    q, k, v, cis = _seq(96, seed=4)
+    outs = []
+    for kernels in ("reference", "triton"):
+        monkeypatch.setenv("NOSA_KERNELS", kernels)
+        state = NosaDecodeState(cfg, 2, 8)
+        outs.append(state.prefill(q[64:], ContiguousKV(k, v, cis), 0.35)[0])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
