@@ -93,8 +93,6 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     import nosa
     from nosa.tiny import build_causal_lm, set_eviction_heads
-
-
     from nosa.train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
