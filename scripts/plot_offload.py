@@ -43,7 +43,8 @@ def main() -> None:
             rows = report["hitrate"]["rows"]
             for name, style in (("nosa", "o-"), ("a0", "s--")):
                 mine = sorted((r["context"], r["warm_hit_rate"]) for r in rows if r["selection"] == name)
-                label = {"nosa": "NOSA checkpoint (its eviction heads)", "a0": "same weights, A = 0 (training-free)"}[name]
+                label = {"nosa": "NOSA checkpoint (its eviction heads)",
+                         "a0": "same weights, A = 0 (training-free)"}[name]
                 ax.plot([c for c, _ in mine], [100 * h for _, h in mine], style, label=label)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context (tokens)")
