@@ -197,9 +197,10 @@ def bench_capacity(args, work, ckpt) -> dict:
 
 
 # ---- decode step, offloading on vs off ---------------------------------------------------------
-def bench_decode(args, work, ckpt) -> dict:
-    from bench_serve import measure
-
+def _decode_setup(args):
+    """Contexts of the decode parts, and mode -> (server flags, environment) for their servers:
+    "off" (KV in SGLang's pool), "on" (offloaded, a device budget of ``batch`` requests), "scheduled"
+    (offloaded, with the recall scheduler)."""
     from nosa.config import NosaConfig
 
     cfg = NosaConfig()
@@ -207,15 +208,28 @@ def bench_decode(args, work, ckpt) -> dict:
     max_ctx = max(contexts) + args.decode_tokens + 16
     common = ["--attention-backend", "nosa", "--chunked-prefill-size", "4096", "--context-length", str(max_ctx),
               "--max-running-requests", str(args.batch)]
+    host = args.batch * max_ctx + 1024
+
+    def server_args(mode: str, stats: str):
+        if mode == "off":
+            return [*common, "--max-total-tokens", str(host)], {}
+        env = _offload_env(host, args.batch * cfg.budget_tokens, stats)
+        if mode == "scheduled":
+            env["NOSA_RECALL_SCHEDULER"] = "1"
+        return [*common, "--page-size", str(cfg.block_size)], env
+
+    return contexts, server_args
+
+
+def bench_decode(args, work, ckpt) -> dict:
+    from bench_serve import measure
+
+    contexts, server_args = _decode_setup(args)
     rows = []
     for mode in ("off", "on"):
         stats = os.path.join(work, f"decode_{mode}_stats.json")
-        if mode == "off":
-            flags, env = ["--max-total-tokens", str(args.batch * max_ctx + 1024)], {}
-        else:
-            flags = ["--page-size", str(cfg.block_size)]
-            env = _offload_env(args.batch * max_ctx + 1024, args.batch * cfg.budget_tokens, stats)
-        server = _server(ckpt, [*common, *flags], os.path.join(work, f"decode_{mode}.log"), env, args.threads)
+        flags, env = server_args(mode, stats)
+        server = _server(ckpt, flags, os.path.join(work, f"decode_{mode}.log"), env, args.threads)
         try:
             measure(server, 512, args.batch, 16)  # warm-up
             for context in contexts:
@@ -264,24 +278,12 @@ def _timeline_summary(records: list[dict], batch: int | None = None) -> dict:
 def bench_schedule(args, work, ckpt) -> dict:
     from bench_serve import measure
 
-    from nosa.config import NosaConfig
-
-    cfg = NosaConfig()
-    contexts = [8192] if args.quick else args.contexts
-    max_ctx = max(contexts) + args.decode_tokens + 16
-    common = ["--attention-backend", "nosa", "--chunked-prefill-size", "4096", "--context-length", str(max_ctx),
-              "--max-running-requests", str(args.batch)]
+    contexts, server_args = _decode_setup(args)
     rows = []
     for mode in ("off", "on", "scheduled"):
         stats = os.path.join(work, f"sched_{mode}_stats.json")
-        if mode == "off":
-            flags, env = ["--max-total-tokens", str(args.batch * max_ctx + 1024)], {}
-        else:
-            flags = ["--page-size", str(cfg.block_size)]
-            env = _offload_env(args.batch * max_ctx + 1024, args.batch * cfg.budget_tokens, stats)
-            if mode == "scheduled":
-                env["NOSA_RECALL_SCHEDULER"] = "1"
-        server = _server(ckpt, [*common, *flags], os.path.join(work, f"sched_{mode}.log"), env, args.threads)
+        flags, env = server_args(mode, stats)
+        server = _server(ckpt, flags, os.path.join(work, f"sched_{mode}.log"), env, args.threads)
         try:
             measure(server, 512, args.batch, 16)  # warm-up
             for context in contexts:
