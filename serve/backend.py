@@ -216,10 +216,14 @@ class NosaAttnBackend(AttentionBackend):
             lengths = [slots.shape[0] for _, slots, _ in self.forward_metadata]
             view = PagedKV(k_buf, v_buf, self.cis_pool[layer.layer_id], self.req_to_token_pool.req_to_token,
                            self.table_rows, lengths)
-            self._fill_missing_cis(layer.layer_id, v_buf, head)
         states = []
-        for i, (row, _, _) in enumerate(self.forward_metadata):
+        for i, (row, slots, _) in enumerate(self.forward_metadata):
             state = self._state(row, layer.layer_id, fresh=False, max_length=view.length(i) - 1)
+            if self.offload is None and state.length < slots.shape[0] - 1:
+                # tokens another prefill backend wrote (--prefill-attention-backend torch_native) have no
+                # cis yet: compute it from the pool's V for the tokens the state is about to catch up on
+                missing = slots[state.length : slots.shape[0] - 1].long()
+                self.cis_pool[layer.layer_id][missing] = head(v_buf[missing])
             state.append(view, seq=i)
             states.append(state)
         if self.offload is not None and self.offload.scheduler is not None and layer.layer_id + 1 < self.num_layers:
@@ -272,16 +276,6 @@ class NosaAttnBackend(AttentionBackend):
         else:
             self.cis_pool[layer_id][loc.long()] = cis
         return cis
-
-    def _fill_missing_cis(self, layer_id, v_buf, head) -> None:
-        """Tokens that another prefill backend wrote (--prefill-attention-backend torch_native) have
-        no cis yet: compute it from the pool's V for the tokens a state is about to catch up on."""
-        for row, slots, _ in self.forward_metadata:
-            state = self.states.get(row, layer_id)
-            have = 0 if state is None or state.length > slots.shape[0] - 1 else state.length
-            if have < slots.shape[0] - 1:
-                missing = slots[have : slots.shape[0] - 1].long()
-                self.cis_pool[layer_id][missing] = head(v_buf[missing])
 
     def _offload_view(self, layer_id, new_tokens=None):
         from nosa.serve.offload_kv import OffloadKV
