@@ -17,7 +17,9 @@
 - ``schedule``: the same decode step with offloading off, on, and on with the recall scheduler
   ($NOSA_RECALL_SCHEDULER=1: the next layer's predicted blocks prefetched while a layer computes),
   the stall share of the step and the prefetch hit rate per layer (demand misses avoided), from
-  the server's per-step timeline (nosa.serve.step_stats).
+  the server's per-step timeline (nosa.serve.step_stats). The three servers are up at once and
+  ``--repeats`` off / on + scheduler pairs interleave (a shared machine's load drifts): each
+  repeat's ratio and the median are reported.
 - ``trace``: Poisson arrivals of requests of mixed lengths (log-uniform in ``--trace-lengths``,
   default 1K-64K; --quick: 512-8K, 8 requests, at least 0.3 arrivals/s) under one device
   budget, with the scheduler, admission off vs
@@ -253,6 +255,38 @@ def _timeline(stats_file: str, since: float) -> list[dict]:
         return [r for r in json.load(f).get("timeline", []) if r["time"] >= since]
 
 
+class _TimelineRecorder:
+    """Every step record of a server's stats file from ``since`` on. The file holds only the newest 256
+    steps and is rewritten at most once a second, so it is polled and the records merged by step."""
+
+    def __init__(self, stats_file: str, since: float, every: float = 0.5):
+        import threading
+
+        self.stats_file, self.since, self.every = stats_file, since, every
+        self.records: dict[int, dict] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        if os.path.exists(self.stats_file):
+            try:
+                for r in _timeline(self.stats_file, self.since):
+                    self.records[r["step"]] = r
+            except (json.JSONDecodeError, OSError):
+                pass  # replaced while read: the next poll reads it
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._poll()
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+        return [self.records[k] for k in sorted(self.records)]
+
+
 def _timeline_summary(records: list[dict], batch: int | None = None) -> dict:
     if batch is not None:
         records = [r for r in records if r["batch"] == batch] or records
@@ -276,32 +310,50 @@ def _timeline_summary(records: list[dict], batch: int | None = None) -> dict:
 
 
 def bench_schedule(args, work, ckpt) -> dict:
+    """Off, on and on + scheduler side by side. The three servers are up at once (an idle one sleeps,
+    ``--sleep-on-idle``) and the measurements interleave: each of ``--repeats`` repeats measures off
+    then on + scheduler back to back (and "on" in the first repeat), so each repeat's ratio compares two
+    measurements minutes apart on a shared machine whose load drifts; the median ratio is the figure."""
+    import statistics
+
     from bench_serve import measure
 
     contexts, server_args = _decode_setup(args)
-    rows = []
-    for mode in ("off", "on", "scheduled"):
-        stats = os.path.join(work, f"sched_{mode}_stats.json")
-        flags, env = server_args(mode, stats)
-        server = _server(ckpt, flags, os.path.join(work, f"sched_{mode}.log"), env, args.threads)
-        try:
+    repeats = 1 if args.quick else args.repeats
+    rows, servers, stats = [], {}, {}
+    try:
+        for mode in ("off", "on", "scheduled"):
+            stats[mode] = os.path.join(work, f"sched_{mode}_stats.json")
+            flags, env = server_args(mode, stats[mode])
+            servers[mode] = _server(ckpt, [*flags, "--sleep-on-idle"], os.path.join(work, f"sched_{mode}.log"), env,
+                                    args.threads)
+        for server in servers.values():
             measure(server, 512, args.batch, 16)  # warm-up
-            for context in contexts:
-                since = time.time()
-                row = {"mode": mode, **measure(server, context, args.batch, args.decode_tokens)}
-                if mode != "off":
-                    time.sleep(1.5)
-                    row.update(_timeline_summary(_timeline(stats, since), args.batch))
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-        finally:
+        for context in contexts:
+            for rep in range(repeats):
+                for mode in ("off", "on", "scheduled") if rep == 0 else ("off", "scheduled"):
+                    since = time.time()
+                    row = {"mode": mode, "repeat": rep, **measure(servers[mode], context, args.batch,
+                                                                  args.decode_tokens)}
+                    if mode != "off":
+                        time.sleep(1.5)
+                        row.update(_timeline_summary(_timeline(stats[mode], since), args.batch))
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    finally:
+        for server in servers.values():
             server.stop()
     ratio = {}
     for context in contexts:
-        by = {r["mode"]: r for r in rows if r["context"] == context}
-        ratio[str(context)] = {m: round(by["off"]["ms_per_decode_step"] / by[m]["ms_per_decode_step"], 3)
-                               for m in ("on", "scheduled")}
-    return {"rows": rows, "speed_over_off": ratio}
+        by = {(r["mode"], r["repeat"]): r for r in rows if r["context"] == context}
+        pairs = [round(by["off", k]["ms_per_decode_step"] / by["scheduled", k]["ms_per_decode_step"], 3)
+                 for k in range(repeats)]
+        ratio[str(context)] = {
+            "on": round(by["off", 0]["ms_per_decode_step"] / by["on", 0]["ms_per_decode_step"], 3),
+            "scheduled_per_repeat": pairs, "scheduled_median": round(statistics.median(pairs), 3),
+            "scheduled_stall_share_per_repeat": [by["scheduled", k].get("stall_share") for k in range(repeats)],
+            "on_stall_share": by["on", 0].get("stall_share")}
+    return {"repeats": repeats, "rows": rows, "speed_over_off": ratio}
 
 
 # ---- a Poisson trace, admission off vs on ----------------------------------------------------
@@ -340,8 +392,10 @@ def bench_trace(args, work, ckpt) -> dict:
                                 "4096"], os.path.join(work, f"trace_{mode}.log"), env, args.threads)
         try:
             _stream(server.url, prompts[0][:256], 4, time.perf_counter(), [])  # warm-up
+            time.sleep(1.5)
             start = time.perf_counter()
             since = time.time()
+            recorder = _TimelineRecorder(stats, since)
             streams = [[] for _ in prompts]
 
             def run(i):
@@ -357,12 +411,16 @@ def bench_trace(args, work, ckpt) -> dict:
             tpot = [(s[-1][0] - s[0][0]) / max(s[-1][1] - s[0][1], 1) for s in streams]
             ttft = [s[0][0] - a for s, a in zip(streams, arrivals)]
             time.sleep(1.5)
-            timeline = _timeline(stats, since)
+            timeline = recorder.stop()
             row = {"mode": mode, "seconds": round(end, 2),
                    "output_tokens_per_s": round(sum(s[-1][1] for s in streams) / end, 3),
                    "tpot_ms_p50": round(1000 * statistics.median(tpot), 2),
                    "tpot_ms_p99": round(1000 * sorted(tpot)[min(len(tpot) - 1, int(0.99 * len(tpot)))], 2),
-                   "ttft_s_p50": round(statistics.median(ttft), 2), **_timeline_summary(timeline)}
+                   "ttft_s_p50": round(statistics.median(ttft), 2),
+                   "ttft_s_p99": round(sorted(ttft)[min(len(ttft) - 1, int(0.99 * len(ttft)))], 2),
+                   "tpot_ms_per_request": [round(1000 * x, 1) for x in tpot],
+                   "ttft_s_per_request": [round(x, 2) for x in ttft],
+                   "max_batch": max((r["batch"] for r in timeline), default=0), **_timeline_summary(timeline)}
             with open(stats) as f:
                 final = json.load(f)
             row["admission"] = final.get("admission")
@@ -392,11 +450,14 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=160,
                     help="tokens per request in the decode part (enough steps with the whole batch decoding)")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the servers")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="schedule: off / on + scheduler pairs, interleaved (--quick: 1)")
     ap.add_argument("--trace-lengths", type=int, nargs=2, default=[1024, 65536], help="trace: prompt lengths lo hi")
     ap.add_argument("--trace-requests", type=int, default=16)
-    ap.add_argument("--trace-rate", type=float, default=0.05, help="trace: Poisson arrivals per second")
+    ap.add_argument("--trace-rate", type=float, default=0.1,
+                    help="trace: Poisson arrivals per second (0.1: the prefill work outlasts the arrivals)")
     ap.add_argument("--trace-new-tokens", type=int, default=48)
-    ap.add_argument("--trace-budget-requests", type=int, default=4, help="trace: device budget in requests' budgets")
+    ap.add_argument("--trace-budget-requests", type=int, default=8, help="trace: device budget in requests' budgets")
     ap.add_argument("--trace-extra-slots", type=int, default=4, help="trace: NOSA_DEVICE_EXTRA_SLOTS with admission")
     ap.add_argument("--timeline", default=os.path.join(ROOT, "results", "serve_timeline.json"),
                     help="trace: the admission-on server's per-step timeline")
