@@ -8,6 +8,11 @@ implementation themselves. ``NOSA_KERNELS`` overrides the choice:
 - ``triton``: always the kernel; on CPU tensors that needs ``TRITON_INTERPRET=1`` set before
   triton is first imported (the tests do this), and is for tests only (about 1 ms per program).
 
+``NOSA_DECODE_IMPL`` picks the implementation of ``slot_decode`` where a kernel runs:
+``triton`` (the default) or ``flashinfer`` (nosa.kernels.flashinfer_decode: FlashInfer's paged
+decode with a custom JIT variant; CUDA and bf16/fp16 only, a clear error otherwise or when the
+package is missing). ``NOSA_KERNELS=reference`` still forces the reference.
+
 Every op validates shapes and dtypes before it launches (see the kernel modules) and raises
 ValueError naming the argument.
 """
@@ -21,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 CHOICES = ("auto", "reference", "triton")
+DECODE_IMPLS = ("triton", "flashinfer")
 
 
 def backend(*tensors: torch.Tensor) -> str:
@@ -35,6 +41,14 @@ def backend(*tensors: torch.Tensor) -> str:
         raise ValueError("NOSA_KERNELS=triton with CPU tensors needs TRITON_INTERPRET=1 (set before triton is "
                          "imported); unset NOSA_KERNELS to use the torch reference on CPU")
     return "triton" if (on_cuda or choice == "triton") else "reference"
+
+
+def decode_impl() -> str:
+    """$NOSA_DECODE_IMPL: "triton" (default) or "flashinfer", the slot decode used where kernels run."""
+    impl = os.environ.get("NOSA_DECODE_IMPL", "triton") or "triton"
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"NOSA_DECODE_IMPL must be one of {DECODE_IMPLS}, got {impl!r}")
+    return impl
 
 
 # ---- recall ---------------------------------------------------------------------------------------
@@ -70,10 +84,16 @@ def copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx
 def slot_decode(q, k_dev, v_dev, cis_dev, slots, fill, scale: float, num_splits: int | None = None):
     """Decode attention over the device block cache: q [R, Hq, D], k_dev/v_dev [S, B, D], cis_dev
     [S, B] fp32, slots [R, Hkv, NS] int64 (-1 unused), fill [R, Hkv, NS] int32 -> (out [R, Hq, Dv],
-    lse [R, Hq] fp32). See nosa.kernels.slot_decode."""
+    lse [R, Hq] fp32). See nosa.kernels.slot_decode; NOSA_DECODE_IMPL=flashinfer runs it through
+    nosa.kernels.flashinfer_decode instead (num_splits is then FlashInfer's choice)."""
     from nosa.kernels import slot_decode as mod
 
-    if backend(q, k_dev) == "triton":
+    kind = backend(q, k_dev)
+    if decode_impl() == "flashinfer" and os.environ.get("NOSA_KERNELS") != "reference":
+        from nosa.kernels import flashinfer_decode  # raises a clear error off CUDA or without the package
+
+        return flashinfer_decode.slot_decode_flashinfer(q, k_dev, v_dev, cis_dev, slots, fill, scale)
+    if kind == "triton":
         return mod.slot_decode(q, k_dev, v_dev, cis_dev, slots, fill, scale, num_splits)
     return mod.slot_decode_reference(q, k_dev, v_dev, cis_dev, slots, fill, scale)
 
