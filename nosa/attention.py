@@ -97,12 +97,18 @@ def nosa_prefill(
 
 def attend_selected(q, k, v, cis, sel, positions, cfg: NosaConfig, scale: float, row_chunk: int | None = None):
     """Selected-block attention of query rows (shapes as in ``_attend_selected``): the Triton
-    block-sparse kernel, forward and backward, on CUDA (or NOSA_KERNELS=triton, nosa.ops), else the
-    torch reference ``_attend_selected``. ``nosa_prefill`` and ``NosaDecodeState.prefill`` use it."""
-    from nosa import ops
+    block-sparse kernel, forward and backward, on CUDA (or NOSA_KERNELS=triton, nosa.ops); on CPU
+    masked dense attention (``nosa.attention_masked``) while the rows' contexts are within a few
+    budgets (training, short prefills), else the gathered torch reference ``_attend_selected``.
+    Both CPU paths compute the same attention and gradients. ``nosa_prefill`` and
+    ``NosaDecodeState.prefill`` use it."""
+    from nosa import attention_masked, ops
 
     if ops.use_kernels(q, k):
         return ops.sparse_prefill_attention(q, k, v, cis, sel, positions, cfg.block_size, scale)[0]
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cis))
+    if attention_masked.use_masked(positions, cfg, training):
+        return attention_masked.attend_masked(q, k, v, cis, sel, positions, cfg, scale)
     return _attend_selected(q, k, v, cis, sel, positions, cfg, scale, row_chunk=row_chunk)
 
 

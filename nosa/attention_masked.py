@@ -1,0 +1,105 @@
+"""Selected-block attention as masked dense attention: the short-context path of
+``nosa.attention.attend_selected`` (training at 512-1024 tokens, short prefills).
+
+Same math as the gathered path (``nosa.attention._attend_selected``): row i attends to the tokens
+of its selected blocks at or before its position, token j's logit raised by cis_j. Here every row
+scores all keys up to its chunk's last position and a boolean mask (the selection expanded to
+tokens, and causality) removes the others, inside torch's fused SDPA kernel, forward and backward.
+Below a few budgets of keys per row that is faster on CPU than gathering each row's blocks: a fused
+kernel over contiguous keys against gathers, several softmax passes and index_add backward.
+
+The eviction bias rides in one extra head dimension so SDPA's own backward gives its gradient:
+q' = [q, 1 / scale], k' = [k, cis], v' = [v, 0], so scale * q'.k' = scale * q.k + cis, and the
+gradient of k'[..., -1] is scale * sum_i dlogit_ij / scale = dcis_j (an SDPA float mask would get
+no gradient). v gets the same extra (zero) dimension because the fused CPU kernel needs equal head
+dims; the output drops it.
+
+Layout as in nosa.attention: q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv]; sel [n, Hkv, K].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nosa.config import NosaConfig
+from nosa.select import selection_mask
+
+# Masked attention is used while a row's keys up to its position (on average) are at most this
+# many times its budget in tokens (topk_blocks * block_size). Measured on CPU (one thread,
+# scripts/bench_train.py and the crossover sweep in README "Training step time"): with gradients the
+# gathered path costs about this many times more per key than the fused masked kernel.
+MASKED_KEYS_PER_BUDGET_TRAIN = 8.0
+# without gradients (prefill) the gathered path has no backward and unions whole chunks, so the
+# masked path wins only closer to the budget
+MASKED_KEYS_PER_BUDGET_INFER = 3.0
+# at most this many (KV head, row, key) mask entries per SDPA call: rows go in chunks, each over
+# the keys up to its last row, which also skips most of the causal upper triangle
+MASK_ELEMENTS = 1 << 19
+
+
+def use_masked(positions: torch.Tensor, cfg: NosaConfig, training: bool) -> bool:
+    """Whether ``attend_masked`` is the faster path for query rows at ``positions`` [n] (ascending):
+    their mean context against the budget, thresholds measured on CPU."""
+    if positions.numel() == 0:
+        return False
+    mean_keys = float(positions[0] + positions[-1]) / 2 + 1
+    limit = MASKED_KEYS_PER_BUDGET_TRAIN if training else MASKED_KEYS_PER_BUDGET_INFER
+    return mean_keys <= limit * cfg.topk_blocks * cfg.block_size
+
+
+def attend_masked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cis: torch.Tensor,
+    sel: torch.Tensor,
+    positions: torch.Tensor,
+    cfg: NosaConfig,
+    scale: float,
+) -> torch.Tensor:
+    """Each row over its own selected blocks at or before its position, token j weighted by exp(cis_j).
+
+    q [n, Hq, D]; k/v [L, Hkv, D]; cis [L, Hkv]; sel [n, Hkv, K] block indices (-1 = none);
+    positions [n] ascending, < L. Returns out [n, Hq, D] in q's dtype (a row with no key: 0);
+    differentiable in q, k, v and cis through autograd (SDPA's fused backward).
+    """
+    n, hq, d = q.shape
+    length, hkv, dv = v.shape
+    if dv != d:
+        raise ValueError(f"attend_masked: v's head dim {dv} must equal q's {d}")
+    group = hq // hkv
+    dt = torch.promote_types(q.dtype, torch.float32)
+    if n == 0:
+        return q.new_zeros(0, hq, d)
+    last = int(positions[-1]) + 1
+    with torch.no_grad():
+        num_blocks = cfg.num_blocks(last)
+        blocks = selection_mask(sel.transpose(0, 1), num_blocks)  # [Hkv, n, NB]
+        tokens = blocks[..., None].expand(-1, -1, -1, cfg.block_size).reshape(hkv, n, -1)[..., :last]
+        allowed = tokens & (torch.arange(last, device=q.device) <= positions[:, None])  # [Hkv, n, L']
+        # a row with no key (all of its selection -1) gets output 0 and no gradient, as in the
+        # gathered path: it attends to key 0 here and its output is zeroed below, so no NaN
+        # from an empty softmax can reach the backward
+        empty = ~allowed.any(dim=-1)  # [Hkv, n]
+        if empty.any():
+            allowed[..., 0] |= empty
+        else:
+            empty = None
+    # [Hkv, G, n, D+1] queries and [Hkv, 1, L', D+1] keys / values: one SDPA batch per KV head
+    qa = torch.cat([q.to(dt), q.new_full((n, hq, 1), 1.0 / scale, dtype=dt)], dim=-1)
+    qa = qa.view(n, hkv, group, d + 1).permute(1, 2, 0, 3)
+    ka = torch.cat([k[:last].to(dt), cis[:last, :, None].to(dt)], dim=-1).transpose(0, 1)[:, None]
+    va = F.pad(v[:last].to(dt), (0, 1)).transpose(0, 1)[:, None]
+    rows = max(1, MASK_ELEMENTS // max(1, hkv * last))
+    outs = []
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        keys = int(positions[stop - 1]) + 1
+        outs.append(F.scaled_dot_product_attention(
+            qa[:, :, start:stop], ka[:, :, :keys], va[:, :, :keys], attn_mask=allowed[:, None, start:stop, :keys],
+            scale=scale, enable_gqa=True))
+    out = torch.cat(outs, dim=2)[..., :d]  # [Hkv, G, n, D]
+    if empty is not None:
+        out = out.masked_fill(empty[:, None, :, None], 0.0)
+    return out.permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
