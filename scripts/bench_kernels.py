@@ -3,7 +3,9 @@
 Sections (``--only`` picks some):
 - decode_slots: one decode step over the device block cache (offloading on): nosa.ops.slot_decode
   (Triton on CUDA, the torch reference on CPU) over NS = topk + 1 slots per (request, KV head) vs
-  dense SDPA decode over the whole contiguous context;
+  dense SDPA decode over the whole contiguous context; on CUDA also the Triton kernel and the
+  FlashInfer option (nosa.kernels.flashinfer_decode) side by side ("faster" says which should be
+  the NOSA_DECODE_IMPL default; "flashinfer" holds the reason when it could not run);
 - decode_paged: the paged sparse decode (offloading off): reference and, on CUDA, Triton vs dense;
 - prefill: block-sparse prefill forward + backward (nosa.ops.sparse_prefill_attention) vs dense
   causal SDPA forward + backward over the same context;
@@ -85,12 +87,33 @@ def decode_slots(context, batch, hq, hkv, d, block, topk, dtype, device, repeats
     args = (q, k_dev, v_dev, cis_dev, slots, fill, d**-0.5)
     row = {"context": context, "batch": batch, "slots_per_head": ns,
            "dense_s": timed(lambda: dense_decode(q, k_dense, v_dense), repeats, device),
-           "nosa_s": timed(lambda: ops.slot_decode(*args), repeats, device), "nosa_backend": ops.backend(q)}
+           "nosa_s": timed(lambda: ops.slot_decode(*args), repeats, device), "nosa_backend": ops.backend(q),
+           "decode_impl": ops.decode_impl()}
     row["dense_over_nosa"] = row["dense_s"] / row["nosa_s"]
     if device == "cuda":
-        row["max_abs_err_vs_ref"] = (ops.slot_decode(*args)[0].float()
-                                     - slot_decode_reference(*args)[0].float()).abs().max().item()
+        want = slot_decode_reference(*args)[0].float()
+        row["max_abs_err_vs_ref"] = (ops.slot_decode(*args)[0].float() - want).abs().max().item()
+        row.update(flashinfer_column(args, want, row, repeats))
+    else:
+        row["flashinfer"] = "CUDA only"
     return row
+
+
+def flashinfer_column(args, want, row, repeats) -> dict:
+    """The FlashInfer option beside the Triton kernel on the same inputs: seconds, ratios, error;
+    or why it could not run (not installed, JIT build failed, ...)."""
+    from nosa.kernels.flashinfer_decode import slot_decode_flashinfer
+    from nosa.kernels.slot_decode import slot_decode as triton_slot_decode
+
+    triton_s = timed(lambda: triton_slot_decode(*args), repeats, "cuda")
+    try:
+        got = slot_decode_flashinfer(*args)[0].float()  # first call: plan (and the JIT build if not cached)
+        fi_s = timed(lambda: slot_decode_flashinfer(*args), repeats, "cuda")
+    except Exception as e:  # a missing package or a failed build is a result to report, not a crash
+        return {"triton_s": triton_s, "flashinfer": f"unavailable: {e!r}"[:500]}
+    return {"triton_s": triton_s, "flashinfer_s": fi_s, "dense_over_flashinfer": row["dense_s"] / fi_s,
+            "triton_over_flashinfer": triton_s / fi_s, "faster": "flashinfer" if fi_s < triton_s else "triton",
+            "flashinfer_max_abs_err_vs_ref": (got - want).abs().max().item()}
 
 
 def decode_paged(context, batch, hq, hkv, d, block, topk, dtype, device, repeats, g):

@@ -3,8 +3,10 @@
 # Written for the lent H200 (its python3 holds torch, triton, transformers, pytest, hypothesis):
 #   run(command="bash scripts/gpu_check.sh", timeout_s=540)   # results land in $OUT
 # Elsewhere: OUT=results/gpu bash scripts/gpu_check.sh
-# Budget: under 8 minutes on one GPU; every step has its own timeout and a failing step does not
-# stop the others. $OUT/summary.json lists each step's exit status and seconds.
+# Budget: under 8 minutes on one GPU ($GPU_CHECK_BUDGET_S, default 460 s): every step has its own
+# timeout, cut to what is left of the budget (a step that would get under 15 s is skipped, rc 125),
+# and a failing step does not stop the others. $OUT/summary.json lists each step's exit status and
+# seconds, and what happened to FlashInfer (install, JIT build of the NOSA variant).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -14,11 +16,19 @@ unset TRITON_INTERPRET  # real kernels, never the interpreter
 PY=${PY:-python3}
 STEPS="$OUT/steps.txt"
 : > "$STEPS"
+BUDGET=${GPU_CHECK_BUDGET_S:-460}
+FI_VERSION=0.7.2.post1  # nosa.kernels.flashinfer_decode.FLASHINFER_VERSION
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, log to $OUT/NAME.log, record rc and seconds
     local name=$1 limit=$2
     shift 2
-    local t0=$SECONDS
+    local t0=$SECONDS left=$((BUDGET - SECONDS))
+    if (( left < 15 )); then
+        echo "[gpu_check] $name: skipped, ${left}s of the budget left"
+        echo "$name 125 0" >> "$STEPS"
+        return
+    fi
+    (( limit > left )) && limit=$left
     echo "[gpu_check] $name (limit ${limit}s)"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
@@ -28,7 +38,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log to $OUT/NAME.log, record rc
 }
 
 # 1. what we run on: versions, GPU, PCIe link (the recall ceiling)
-step env 60 bash -c "$PY - <<'PY'
+step env 30 bash -c "$PY - <<'PY'
 import torch, triton
 print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda,
       'available', torch.cuda.is_available())
@@ -37,21 +47,39 @@ if torch.cuda.is_available():
 PY
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,memory.total --format=csv || true"
 
-# 2. nothing to install for the kernels (torch + triton + pytest); report what the optional parts lack
-step deps 60 bash -c "$PY -c 'import pytest, hypothesis; print(\"pytest\", pytest.__version__)' ;
-  for m in flashinfer sgl_kernel sglang; do $PY -c \"import \$m; print('\$m', getattr(\$m, '__version__', '?'))\" 2>/dev/null || echo \"\$m: not installed (optional; not needed by the kernel tests or benchmarks)\"; done"
+# 2. nothing to install for the Triton kernels (torch + triton + pytest); report what the optional parts lack
+step deps 30 bash -c "$PY -c 'import pytest, hypothesis; print(\"pytest\", pytest.__version__)' ;
+  for m in flashinfer sgl_kernel sglang; do $PY -c \"import \$m; print('\$m', getattr(\$m, '__version__', '?'))\" 2>/dev/null || echo \"\$m: not installed (optional)\"; done"
 
 # 3. kernel tests on CUDA: every kernel against its torch reference, GPU-only tests included,
 #    plus the ahead-of-time compile for sm_90/sm_80. NOSA_KERNELS stays unset (auto): CUDA tensors
 #    take the kernels, and the spec tests that run on CPU tensors keep the reference (forcing
 #    triton there would need the interpreter); the dispatch tests set NOSA_KERNELS themselves.
-step tests 240 env -u NOSA_KERNELS $PY -m pytest -q -p no:cacheprovider --durations=10 --junitxml "$OUT/gpu_tests.xml" \
-    tests/test_kernels.py tests/test_kernels_recall.py tests/test_kernels_slot.py tests/test_kernels_prefill.py \
-    tests/test_kernels_dispatch.py tests/test_kernels_scores.py tests/test_kernels_gpu.py tests/test_kernels_aot.py
+#    First, before anything is installed: the Triton path must not depend on FlashInfer.
+step tests 200 env -u NOSA_KERNELS -u NOSA_DECODE_IMPL $PY -m pytest -q -p no:cacheprovider -rs --durations=10 \
+    --junitxml "$OUT/gpu_tests.xml" tests/test_kernels.py tests/test_kernels_recall.py tests/test_kernels_slot.py \
+    tests/test_kernels_prefill.py tests/test_kernels_dispatch.py tests/test_kernels_scores.py \
+    tests/test_kernels_flashinfer.py tests/test_kernels_gpu.py tests/test_kernels_aot.py
 
-# 4. benchmarks, each a set of ratios measured side by side in one run
-step bench_recall 120 $PY scripts/bench_recall.py --out "$OUT/recall_gpu.json"
-step bench_kernels 200 $PY scripts/bench_kernels.py --quick --out "$OUT/kernels_gpu.json"
+# 4. FlashInfer (the NOSA_DECODE_IMPL=flashinfer option): install it, JIT-build the NOSA variant once
+#    (nvcc, found through CUDA_HOME or PATH; the benchmark then reuses FlashInfer's JIT cache), and
+#    run its GPU test against the reference. Failures land in summary.json ("flashinfer").
+if [[ -z "${CUDA_HOME:-}" && -x /usr/local/cuda/bin/nvcc ]]; then
+    export CUDA_HOME=/usr/local/cuda  # `which nvcc` may be a symlink outside the toolkit (no lib64 there)
+fi
+step flashinfer_install 120 bash -c "$PY -c 'import flashinfer' 2>/dev/null && exit 0;
+  $PY -m pip install --quiet 'flashinfer-python==$FI_VERSION' && $PY -c 'import flashinfer' && exit 0;
+  echo 'full install failed; trying the package without its dependencies';
+  $PY -m pip install --quiet --no-deps 'flashinfer-python==$FI_VERSION' apache-tvm-ffi ninja einops tabulate click jinja2 nvidia-ml-py &&
+  $PY -c 'import flashinfer; print(flashinfer.__version__)'"
+step flashinfer_build 120 $PY scripts/build_flashinfer_variant.py --out "$OUT/flashinfer_build.json"
+step flashinfer_tests 60 env -u NOSA_KERNELS -u NOSA_DECODE_IMPL $PY -m pytest -q -p no:cacheprovider -rs \
+    --junitxml "$OUT/gpu_tests_flashinfer.xml" tests/test_kernels_gpu.py -k flashinfer
+
+# 5. benchmarks, each a set of ratios measured side by side in one run; kernels_gpu.json's decode
+#    rows hold Triton vs FlashInfer vs dense SDPA ("faster": which should be the default)
+step bench_kernels 150 env -u NOSA_DECODE_IMPL $PY scripts/bench_kernels.py --quick --out "$OUT/kernels_gpu.json"
+step bench_recall 90 $PY scripts/bench_recall.py --out "$OUT/recall_gpu.json"
 
 $PY - "$OUT" <<'PY'
 import json, sys, os
@@ -60,7 +88,15 @@ steps = {}
 for line in open(os.path.join(out, "steps.txt")):
     name, rc, seconds = line.split()
     steps[name] = {"rc": int(rc), "seconds": int(seconds)}
-json.dump({"steps": steps, "ok": all(s["rc"] == 0 for s in steps.values())}, open(os.path.join(out, "summary.json"), "w"), indent=1)
-print(json.dumps(steps))
+summary = {"steps": steps, "ok": all(s["rc"] == 0 for s in steps.values())}
+build = os.path.join(out, "flashinfer_build.json")
+summary["flashinfer"] = json.load(open(build)) if os.path.exists(build) else "not built (see flashinfer_install.log)"
+kernels = os.path.join(out, "kernels_gpu.json")
+if os.path.exists(kernels):  # Triton vs FlashInfer per decode row: which should be NOSA_DECODE_IMPL's default
+    rows = json.load(open(kernels)).get("decode_slots", [])
+    summary["decode_faster"] = [{k: r.get(k) for k in ("context", "batch", "faster", "triton_over_flashinfer",
+                                                        "flashinfer")} for r in rows]
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+print(json.dumps(summary)[:3000])
 PY
 echo "[gpu_check] done; files in $OUT"

@@ -28,7 +28,7 @@ ARGS=(--model-path "$CKPT" --attention-backend nosa --device "$DEVICE"
       --host "${HOST:-127.0.0.1}" --port "${PORT:-30000}")
 if [[ "$DEVICE" == cpu ]]; then
     export SGLANG_USE_CPU_ENGINE=1
-else
-    ARGS+=(--disable-cuda-graph)  # the nosa backend has no CUDA-graph capture path yet
 fi
+# CUDA: no --disable-cuda-graph needed; the plugin turns CUDA graphs off for the phases nosa serves
+# (no capture path yet) and logs it (nosa.serve.cuda_graphs).
 exec "$PY" -m sglang.launch_server "${ARGS[@]}" "$@"

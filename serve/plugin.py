@@ -8,7 +8,7 @@ validation hooks of nosa.serve.validate, which apply whatever the attention back
 
 from __future__ import annotations
 
-from nosa.serve import validate
+from nosa.serve import cuda_graphs, validate
 
 BACKEND_NAME = "nosa"
 
@@ -23,6 +23,7 @@ def register() -> None:
         add_attention_backend_choices([BACKEND_NAME])
     register_attention_backend(BACKEND_NAME)(create_nosa_backend)
     validate.install()
+    cuda_graphs.install()  # CUDA: graphs off where nosa serves (no capture path yet), logged
     _install_offload_hooks()
 
 

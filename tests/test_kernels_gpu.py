@@ -146,3 +146,34 @@ def test_block_scores_llama_shape_same_selection():
     evict = block_eviction_scores(torch.randn(length, 8, device="cuda"), cfg, nb)[None]
     same = select_blocks(got, evict, positions, cfg) == select_blocks(want, evict, positions, cfg)
     assert same.float().mean() > 0.999  # near-ties may flip by rounding; nothing else
+
+
+@pytest.mark.parametrize("rows", [4, 16])
+def test_flashinfer_slot_decode_llama_shape(rows, monkeypatch):
+    """The FlashInfer option (NOSA_DECODE_IMPL=flashinfer) against the reference: bf16, Llama-3-8B
+    heads, a partial tail block, an unused slot, an empty (request, KV head); a second call with new
+    slot tables reuses the plan (only the indices change on the device) and must still be right."""
+    pytest.importorskip("flashinfer")
+    from nosa.kernels.flashinfer_decode import slot_decode_flashinfer
+
+    hq, hkv, d, block, ns = 32, 8, 128, 64, 65
+    torch.manual_seed(rows + 7)
+    total = rows * hkv * ns
+    q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(total + 3, block, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cis = torch.randn(total + 3, block, device="cuda") * 0.5
+    fill = torch.full((rows, hkv, ns), block, dtype=torch.int32, device="cuda")
+    fill[..., 7] = 23  # the tail block need not be the last slot
+    fill[1, 2, 3] = 0
+    for seed in range(2):
+        slots = torch.randperm(total + 3, device="cuda")[:total].view(rows, hkv, ns)
+        slots[0, 0, 5] = -1
+        slots[rows - 1, hkv - 1] = -1  # a KV head with nothing to attend to
+        out, lse = slot_decode_flashinfer(q, k, v, cis, slots, fill, d**-0.5)
+        ref, ref_lse = slot_decode_reference(q, k, v, cis, slots, fill, d**-0.5)
+        assert rel(out, ref) < 1e-2, seed
+        torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+        assert torch.all(out[rows - 1, -4:] == 0) and torch.all(lse[rows - 1, -4:] == float("-inf"))
+    monkeypatch.setenv("NOSA_DECODE_IMPL", "flashinfer")
+    via_ops, _ = ops.slot_decode(q, k, v, cis, slots, fill, d**-0.5)
+    assert torch.equal(via_ops, out)

@@ -1,0 +1,65 @@
+"""CUDA graphs and the nosa backend (nosa.serve.cuda_graphs): SGLang's real server-argument
+resolution, run in-process for device="cuda" (it needs no GPU), turns the graphs off for the phases
+nosa serves and logs it; without the hook SGLang would capture decode graphs (and crash calling
+the backend's missing init_cuda_graph_state); CPU servers and other backends are left alone."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("sglang")
+import sglang_tiny as tiny  # noqa: E402  (tests/serve is on sys.path)
+
+from nosa.serve import cuda_graphs, plugin  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny.make_checkpoint(str(tmp_path_factory.mktemp("ckpt")))
+
+
+def resolved_graphs(checkpoint, **kwargs):
+    """(decode, prefill) graph backends after SGLang resolves these server arguments."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=checkpoint, **kwargs)
+    args.resolve_once()
+    config = resolved_view(args).cuda_graph_config
+    return config.decode.backend, config.prefill.backend
+
+
+def test_nosa_on_cuda_gets_no_graphs_and_a_warning(checkpoint, caplog):
+    plugin.register()
+    with caplog.at_level(logging.WARNING, logger=cuda_graphs.__name__):
+        assert resolved_graphs(checkpoint, device="cuda", attention_backend="nosa") == ("disabled", "disabled")
+    assert "--disable-cuda-graph" in caplog.text and "decode" in caplog.text
+    # an explicit graph choice cannot make a capture path appear: it is overridden too, and logged
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=cuda_graphs.__name__):
+        graphs = resolved_graphs(checkpoint, device="cuda", attention_backend="nosa",
+                                 cuda_graph_backend_prefill="breakable")
+    assert graphs == ("disabled", "disabled") and "decode and prefill" in caplog.text
+
+
+def test_only_the_phases_nosa_serves(checkpoint):
+    plugin.register()
+    decode, prefill = resolved_graphs(checkpoint, device="cuda", prefill_attention_backend="nosa",
+                                      decode_attention_backend="triton", cuda_graph_backend_prefill="breakable")
+    assert (decode, prefill) == ("full", "disabled")
+    assert resolved_graphs(checkpoint, device="cuda", attention_backend="triton")[0] == "full"
+
+
+def test_without_the_hook_sglang_would_capture(checkpoint, monkeypatch):
+    """The control: SGLang's own resolution keeps decode graphs on for nosa on CUDA (what the hook
+    exists for), and a CPU server is resolved the same with and without the hook."""
+    from sglang.srt.arg_groups import resolution_hooks
+
+    plugin.register()
+    with_hook = resolved_graphs(checkpoint, device="cpu", attention_backend="nosa")
+    hooks = {k: [f for f in v if f is not cuda_graphs.disable_for_nosa] for k, v in resolution_hooks._HOOKS.items()}
+    monkeypatch.setattr(resolution_hooks, "_HOOKS", hooks)
+    assert resolved_graphs(checkpoint, device="cuda", attention_backend="nosa")[0] == "full"
+    assert resolved_graphs(checkpoint, device="cpu", attention_backend="nosa") == with_hook
