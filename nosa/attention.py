@@ -40,7 +40,7 @@ ROW_REST_TOKENS = 512
 # elements (then recomputes the rest from the log-sum-exp): memory for about 1.5x less work
 SAVE_ELEMENTS = 1 << 25
 # at most this many float32 logits per selection chunk (query-aware scores of every row at once)
-SELECT_ELEMENTS = 1 << 22
+SELECT_ELEMENTS = 1 << 18
 
 
 def nosa_prefill(
@@ -80,12 +80,15 @@ def nosa_prefill(
     with torch.no_grad():
         compressed_k = compress_windows(k.detach(), cfg)  # [C, Hkv, D]
         evict = block_eviction_scores(cis, cfg, num_blocks)[None]  # [1, Hkv, NB, 2]
-        # selections of every row (the dense rows' too: callers track churn from them)
+        # selections of every row (the dense rows' too: callers track churn from them), in chunks
+        # of rows that each score only the windows their last row can see (the others would be
+        # masked to probability 0), so the query-aware scores cost about half of rows x windows
         step = max(row_chunk, SELECT_ELEMENTS // max(1, hq * compressed_k.shape[0]))
         for start in range(0, n, step):
-            positions = torch.arange(first + start, first + min(start + step, n), device=q.device)
-            qs = query_block_scores(q[start : start + step].detach(), compressed_k, positions,
-                                    num_blocks, cfg, scale)
+            stop = min(start + step, n)
+            positions = torch.arange(first + start, first + stop, device=q.device)
+            visible = compressed_k[: cfg.num_compressed(first + stop)]
+            qs = query_block_scores(q[start:stop].detach(), visible, positions, num_blocks, cfg, scale)
             sels.append(select_blocks(qs, evict, positions, cfg))
     selection = torch.cat(sels)
     if dense_rows < n:

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from nosa.config import NosaConfig
 from nosa.select import selection_mask
 
+NEG_INF = float("-inf")
+
 # Masked attention is used while a row's keys up to its position (on average) are at most this
 # many times its budget in tokens (topk_blocks * block_size). Measured on CPU (one thread,
 # scripts/bench_train.py and the crossover sweep in README "Training step time"): with gradients the
@@ -72,20 +74,19 @@ def attend_masked(
     dt = torch.promote_types(q.dtype, torch.float32)
     if n == 0:
         return q.new_zeros(0, hq, d)
-    last = int(positions[-1]) + 1
+    bsz = cfg.block_size
     with torch.no_grad():
-        num_blocks = cfg.num_blocks(last)
-        blocks = selection_mask(sel.transpose(0, 1), num_blocks)  # [Hkv, n, NB]
-        tokens = blocks[..., None].expand(-1, -1, -1, cfg.block_size).reshape(hkv, n, -1)[..., :last]
-        allowed = tokens & (torch.arange(last, device=q.device) <= positions[:, None])  # [Hkv, n, L']
-        # a row with no key (all of its selection -1) gets output 0 and no gradient, as in the
-        # gathered path: it attends to key 0 here and its output is zeroed below, so no NaN
-        # from an empty softmax can reach the backward
-        empty = ~allowed.any(dim=-1)  # [Hkv, n]
-        if empty.any():
-            allowed[..., 0] |= empty
-        else:
-            empty = None
+        # a row with no key at all (its selection all -1, or only blocks after it) gets output 0 and
+        # no gradient, as in the gathered path: it attends to token 0 here and is zeroed below, so no
+        # NaN from an empty softmax reaches the backward
+        has_key = ((sel >= 0) & (sel * bsz <= positions[:, None, None])).any(dim=-1)  # [n, Hkv]
+        empty = None if bool(has_key.all()) else ~has_key.transpose(0, 1)  # [Hkv, n]
+        blocks = selection_mask(sel.transpose(0, 1), cfg.num_blocks(int(positions[-1]) + 1))  # [Hkv, n, NB]
+        if empty is not None:
+            blocks[..., 0] |= empty
+        # additive float mask at block level (SDPA would convert a bool mask to this form itself)
+        block_bias = torch.zeros(blocks.shape, dtype=dt, device=q.device).masked_fill_(~blocks, NEG_INF)
+    last = int(positions[-1]) + 1
     # [Hkv, G, n, D+1] queries and [Hkv, 1, L', D+1] keys / values: one SDPA batch per KV head
     qa = torch.cat([q.to(dt), q.new_full((n, hq, 1), 1.0 / scale, dtype=dt)], dim=-1)
     qa = qa.view(n, hkv, group, d + 1).permute(1, 2, 0, 3)
@@ -95,10 +96,17 @@ def attend_masked(
     outs = []
     for start in range(0, n, rows):
         stop = min(n, start + rows)
-        keys = int(positions[stop - 1]) + 1
+        first, keys = int(positions[start]), int(positions[stop - 1]) + 1
+        with torch.no_grad():  # the chunk's mask: its rows' blocks as tokens, then causality
+            nbk = -(-keys // bsz)
+            mask = block_bias[:, start:stop, :nbk, None].expand(-1, -1, -1, bsz).reshape(hkv, stop - start, -1)
+            mask = mask[..., :keys]
+            # keys before the chunk's first position are causal for all of its rows
+            future = torch.arange(first, keys, device=q.device) > positions[start:stop, None]
+            mask[..., first:keys].masked_fill_(future, NEG_INF)
         outs.append(F.scaled_dot_product_attention(
-            qa[:, :, start:stop], ka[:, :, :keys], va[:, :, :keys], attn_mask=allowed[:, None, start:stop, :keys],
-            scale=scale, enable_gqa=True))
+            qa[:, :, start:stop], ka[:, :, :keys], va[:, :, :keys], attn_mask=mask[:, None], scale=scale,
+            enable_gqa=True))
     out = torch.cat(outs, dim=2)[..., :d]  # [Hkv, G, n, D]
     if empty is not None:
         out = out.masked_fill(empty[:, None, :, None], 0.0)

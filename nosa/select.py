@@ -109,19 +109,23 @@ def select_blocks(
     cur = (positions // cfg.block_size)[:, None]  # [R, 1]
     exists = block[None, :] <= cur
     forced = exists & ((block[None, :] < cfg.sink_blocks) | (block[None, :] > cur - cfg.window_blocks))
-    forced = forced[:, None, :].expand(rows, hkv, nb)
-    exists = exists[:, None, :].expand(rows, hkv, nb)
+    forced = forced[:, None, :]  # [R, 1, NB], broadcast over heads
+    exists = exists[:, None, :]
 
     qs = query_scores.float().nan_to_num(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
+    # the static keys keep their own leading size (1 when shared by every row, as in a prefill):
+    # everything derived from them alone is computed once, then broadcast over the rows
     evict = evict_scores.float().nan_to_num(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
-    evict = evict.expand(rows, hkv, nb, 2)
+    if evict.dim() != 4 or evict.shape[1:] != (hkv, nb, 2) or evict.shape[0] not in (1, rows):
+        evict = evict.expand(rows, hkv, nb, 2)
 
     # Free picks: best query-aware scores among existing, non-forced blocks with a finite score,
     # ties to the lower index.
-    in_query_set = forced.clone()
+    in_query_set = forced.expand(rows, hkv, nb)
+    ordered_qs = _ordered(qs)
     if cfg.query_blocks > 0:
-        cand = exists & ~forced & torch.isfinite(qs)
-        pick_key = (_ordered(qs.masked_fill(~cand, NEG_INF)) << _INDEX_BITS) | _lower_index_first(nb, device)
+        cand = (exists & ~forced) & torch.isfinite(qs)
+        pick_key = (torch.where(cand, ordered_qs, _ORDERED_NEG_INF) << _INDEX_BITS) | _lower_index_first(nb, device)
         order = pick_key.topk(min(cfg.query_blocks, nb), dim=-1).indices
         picked = cand.gather(-1, order)
         in_query_set = in_query_set | _scatter_mask(order, picked, nb)
@@ -134,18 +138,24 @@ def select_blocks(
     live = _live_heads(exists, evict)  # [R, Hkv]
     index_key = _lower_index_first(nb, device)
     mean = evict[..., 1]
-    minor_live = (_ordered(mean) << _INDEX_BITS) | index_key
-    mean_class = (mean > NEG_INF).long() + (mean == float("inf")).long()  # dead heads: -inf < 0 < inf
-    minor_dead = (mean_class << 61) | ((_ordered(qs) + 2**31) << _INDEX_BITS) | index_key
-    minor = torch.where(live[..., None], minor_live, minor_dead)
-    tier = exists.long() + in_query_set.long()  # 2: Q, 1: other, 0: future
-    major = (tier << 32) | (_ordered(evict[..., 0]) + 2**31)
-
+    all_live = bool(live.all())
+    if all_live:  # (training, fine-tuned models) the query score never ranks
+        minor = (_ordered(mean) << _INDEX_BITS) | index_key
+    else:
+        mean_class = (mean > NEG_INF).long() + (mean == float("inf")).long()  # dead heads: -inf < 0 < inf
+        minor_dead = (mean_class << 61) | ((ordered_qs + 2**31) << _INDEX_BITS) | index_key
+        if bool(live.any()):
+            minor_live = (_ordered(mean) << _INDEX_BITS) | index_key
+            minor = torch.where(live[..., None], minor_live, minor_dead)
+        else:  # (A = 0, training-free selection) the block mean only separates -inf / 0 / inf
+            minor = minor_dead
+    tier = (exists.long() + in_query_set.long()) << 32  # 2: Q, 1: other, 0: future
+    major = tier | (_ordered(evict[..., 0]) + 2**31)
     k = min(cfg.topk_blocks, nb)
     threshold = major.topk(k, dim=-1).values[..., -1:]  # the k-th largest major key
     above = major > threshold
     need = k - above.sum(dim=-1, keepdim=True)
-    ties = minor.masked_fill(major != threshold, torch.iinfo(torch.int64).min).topk(k, dim=-1).indices
+    ties = torch.where(major != threshold, torch.iinfo(torch.int64).min, minor).topk(k, dim=-1).indices
     chosen = above | _scatter_mask(ties, torch.arange(k, device=device) < need, nb)
     # ascending block indices of the chosen existing blocks, -1 after them
     order_key = torch.where(chosen & exists, index_key, -1)
@@ -217,7 +227,8 @@ def blocks_entering(previous: torch.Tensor, current: torch.Tensor) -> torch.Tens
 
 def _live_heads(exists: torch.Tensor, evict: torch.Tensor) -> torch.Tensor:
     """[R, Hkv] whether a head's eviction head is on: some existing block has a finite, non-zero key."""
-    return (exists[..., None] & torch.isfinite(evict) & (evict != 0)).flatten(-2).any(-1)
+    keyed = (torch.isfinite(evict) & (evict != 0)).any(-1)  # [R or 1, Hkv, NB]: a real key
+    return (exists & keyed).any(-1)
 
 
 _INDEX_BITS = 29  # block indices and ranks below 2**29 (contexts up to 2**29 blocks)
@@ -228,6 +239,9 @@ def _ordered(x: torch.Tensor) -> torch.Tensor:
     """float32 -> int64 in [-2**31, 2**31) with the same order (-0.0 == 0.0; -inf lowest)."""
     bits = (x.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+
+
+_ORDERED_NEG_INF = int(_ordered(torch.tensor(NEG_INF)))
 
 
 def _lower_index_first(nb: int, device) -> torch.Tensor:
