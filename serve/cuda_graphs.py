@@ -25,15 +25,14 @@ _INSTALLED: list = []
 
 def disable_for_nosa(server_args, previous) -> None:
     """Resolution-hook wrapper (``fn(server_args, previous)``): SGLang's step, then graphs off for
-    the nosa phases. Returns the phases it turned off (for tests)."""
+    the nosa phases."""
     previous(server_args)
-    from sglang.srt.arg_groups.overrides import (attention_backends_of, declare_resolution, resolved_view,
-                                                 resolving_view)
+    from sglang.srt.arg_groups.overrides import attention_backends_of, declare_resolution, resolved_view, resolving_view
     from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
     cfg = resolving_view(server_args)
     if str(cfg.device or "").split(":")[0] == "cpu" or cfg.cuda_graph_config is None:
-        return []
+        return
     prefill, decode = attention_backends_of(resolved_view(server_args))
     config, turned = cfg.cuda_graph_config, []
     for phase, backend in ((Phase.DECODE, decode), (Phase.PREFILL, prefill)):
@@ -44,7 +43,6 @@ def disable_for_nosa(server_args, previous) -> None:
         declare_resolution(server_args, "nosa.serve.cuda_graphs", cuda_graph_config=config)
         logger.warning("CUDA graphs disabled for %s: the nosa attention backend has no CUDA-graph capture path yet "
                        "(same as passing --disable-cuda-graph)", " and ".join(turned))
-    return turned
 
 
 def install() -> None:
