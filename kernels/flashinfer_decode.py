@@ -236,7 +236,7 @@ class _Plan:
             _WORKSPACES[device], "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr,
             paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last, backend="fa2",
             jit_args=list(jit_args(dtype, d)))
-        self.wrapper.plan(pages.indptr, self.indices, pages.last_page_len, pages.q.shape[1], 1, d, pages.block,
+        self.wrapper.plan(pages.indptr, pages.indices, pages.last_page_len, pages.q.shape[1], 1, d, pages.block,
                           q_data_type=dtype, kv_data_type=dtype)
 
     def run(self, pages: FoldedPages, scale: float):

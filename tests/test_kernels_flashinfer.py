@@ -151,3 +151,50 @@ def test_flashinfer_never_imported_on_cpu():
     except ImportError:
         with pytest.raises(RuntimeError, match="pip install flashinfer-python"):
             fd.require_flashinfer()
+
+
+class FakeWrapper:
+    """Stands in for flashinfer.BatchDecodeWithPagedKVCacheWrapper (0.7.2 signature) on CPU: in
+    CUDA-graph mode FlashInfer's run() reads the page table from the buffers given at construction,
+    not from what plan() was called with, so this one does too (through paged_decode_reference)."""
+
+    plans = 0
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
+                 backend="auto", jit_args=None):
+        assert kv_layout == "NHD" and use_cuda_graph and backend == "fa2" and len(jit_args) == 13
+        self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        self.extra = jit_args[7] + jit_args[9]
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+             q_data_type, kv_data_type):
+        assert indptr.device.type == "cpu" and last_page_len.device.type == "cpu"  # plan reads them on the host
+        assert num_kv_heads == 1 and torch.equal(indptr, self.buffers[0].cpu())
+        assert len(indices) <= len(self.buffers[1]) and q_data_type == kv_data_type == torch.bfloat16
+        FakeWrapper.plans += 1
+
+    def run(self, q, kv, *args, return_lse=False):
+        cis, fill, scale = args
+        assert len(args) == len(self.extra) and isinstance(scale, float) and return_lse
+        indptr, indices, last = self.buffers
+        pages = fd.FoldedPages(q, kv[0], kv[1], cis, indptr.cpu(), indices, last.cpu(), fill, 0, 0, 0)
+        return fd.paged_decode_reference(pages, scale)
+
+
+def test_planned_wrapper_reuses_its_buffers(monkeypatch):
+    """slot_decode_flashinfer's plumbing with a stand-in wrapper: one plan per batch shape, the new
+    slot indices and fills copied into the planned buffers before each run, extra arguments in the
+    declared order, the result equal to the spec."""
+    fake = type("flashinfer", (), {"BatchDecodeWithPagedKVCacheWrapper": FakeWrapper})
+    monkeypatch.setattr(fd, "require_flashinfer", lambda: fake)
+    monkeypatch.setattr(fd, "check_supported", lambda q, k: None)
+    monkeypatch.setattr(fd, "_PLANS", type(fd._PLANS)())
+    FakeWrapper.plans = 0
+    for seed, shape in enumerate([(3, 8, 2, 16, 16, 7), (3, 8, 2, 16, 16, 7), (2, 6, 3, 8, 8, 9)]):
+        c = case(*shape, torch.bfloat16, seed=seed + 20)
+        out, lse = fd.slot_decode_flashinfer(**c, scale=0.3)
+        want, want_lse = slot_decode_reference(**c, scale=0.3)
+        assert rel(out, want) < TOL[torch.bfloat16]
+        torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    assert FakeWrapper.plans == 2 and len(fd._PLANS) == 2
