@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check: the kernel tests on CUDA, then the kernel and recall benchmarks, as JSON and logs.
-# Written for the lent H200 (its python3 holds torch, triton, transformers, pytest, hypothesis):
-#   run(command="bash scripts/gpu_check.sh", timeout_s=540)   # results land in $OUT
-# Elsewhere: OUT=results/gpu bash scripts/gpu_check.sh
+# Written for the lent H200 (its python3 holds torch, triton, transformers, pytest, hypothesis and
+# nvcc 13.0, but nothing can be fetched there): FlashInfer travels as wheels, made here once
+# (flashinfer-python is pure Python, ~59 MiB; with the tree the carry stays under its 64 MiB):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.11
+#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)   # results land in $OUT
+# Without .whl/ ($NOSA_WHEELS) it tries the registry. Elsewhere: OUT=results/gpu bash scripts/gpu_check.sh
 # Budget: under 8 minutes on one GPU ($GPU_CHECK_BUDGET_S, default 460 s): every step has its own
 # timeout, cut to what is left of the budget (a step that would get under 15 s is skipped, rc 125),
 # and a failing step does not stop the others. $OUT/summary.json lists each step's exit status and
@@ -67,11 +72,19 @@ step tests 200 env -u NOSA_KERNELS -u NOSA_DECODE_IMPL $PY -m pytest -q -p no:ca
 if [[ -z "${CUDA_HOME:-}" && -x /usr/local/cuda/bin/nvcc ]]; then
     export CUDA_HOME=/usr/local/cuda  # `which nvcc` may be a symlink outside the toolkit (no lib64 there)
 fi
-step flashinfer_install 120 bash -c "$PY -c 'import flashinfer' 2>/dev/null && exit 0;
-  $PY -m pip install --quiet 'flashinfer-python==$FI_VERSION' && $PY -c 'import flashinfer' && exit 0;
-  echo 'full install failed; trying the package without its dependencies';
-  $PY -m pip install --quiet --no-deps 'flashinfer-python==$FI_VERSION' apache-tvm-ffi ninja einops tabulate click jinja2 nvidia-ml-py &&
-  $PY -c 'import flashinfer; print(flashinfer.__version__)'"
+WHEELS=${NOSA_WHEELS:-.whl}
+SITE=/tmp/nosa_site  # carried wheels go here, not into the machine's environment
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+    step flashinfer_install 120 bash -c "$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target $SITE $WHEELS/*.whl && PYTHONPATH=$SITE $PY -c 'import flashinfer; print(flashinfer.__version__)'"
+    export PYTHONPATH=$PYTHONPATH:$SITE
+else
+    step flashinfer_install 120 bash -c "$PY -c 'import flashinfer' 2>/dev/null && exit 0;
+      $PY -m pip install --quiet 'flashinfer-python==$FI_VERSION' && $PY -c 'import flashinfer' && exit 0;
+      echo 'full install failed; trying the package without its dependencies';
+      $PY -m pip install --quiet --no-deps 'flashinfer-python==$FI_VERSION' apache-tvm-ffi ninja einops tabulate \
+        click jinja2 nvidia-ml-py && $PY -c 'import flashinfer; print(flashinfer.__version__)'"
+fi
 step flashinfer_build 120 $PY scripts/build_flashinfer_variant.py --out "$OUT/flashinfer_build.json"
 step flashinfer_tests 60 env -u NOSA_KERNELS -u NOSA_DECODE_IMPL $PY -m pytest -q -p no:cacheprovider -rs \
     --junitxml "$OUT/gpu_tests_flashinfer.xml" tests/test_kernels_gpu.py -k flashinfer
