@@ -90,7 +90,7 @@ def slot_decode(q, k_dev, v_dev, cis_dev, slots, fill, scale: float, num_splits:
 
     kind = backend(q, k_dev)
     if decode_impl() == "flashinfer" and os.environ.get("NOSA_KERNELS") != "reference":
-        from nosa.kernels import flashinfer_decode  # raises a clear error off CUDA or without the package
+        from nosa.kernels import flashinfer_decode  # pure torch; flashinfer itself is imported on CUDA only
 
         return flashinfer_decode.slot_decode_flashinfer(q, k_dev, v_dev, cis_dev, slots, fill, scale)
     if kind == "triton":
