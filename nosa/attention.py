@@ -110,7 +110,7 @@ def attend_selected(q, k, v, cis, sel, positions, cfg: NosaConfig, scale: float,
     if ops.use_kernels(q, k):
         return ops.sparse_prefill_attention(q, k, v, cis, sel, positions, cfg.block_size, scale)[0]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cis))
-    if attention_masked.use_masked(positions, cfg, training):
+    if attention_masked.use_masked(positions, k.shape[1], cfg, training):
         return attention_masked.attend_masked(q, k, v, cis, sel, positions, cfg, scale)
     return _attend_selected(q, k, v, cis, sel, positions, cfg, scale, row_chunk=row_chunk)
 

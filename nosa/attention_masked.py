@@ -28,26 +28,34 @@ from nosa.select import selection_mask
 NEG_INF = float("-inf")
 
 # Masked attention is used while a row's keys up to its position (on average) are at most this
-# many times its budget in tokens (topk_blocks * block_size). Measured on CPU (one thread,
-# scripts/bench_train.py and the crossover sweep in README "Training step time"): with gradients the
-# gathered path costs about this many times more per key than the fused masked kernel.
+# many times its budget in tokens (topk_blocks * block_size). Measured on CPU, one thread, one layer
+# (README "Training step time"): with gradients, block 16 / budget 8 (the tiny training config), the
+# gathered path took 2.9x the masked one's time at 2 budgets of keys per row, 2.4x at 4, 1.2x at 8
+# and 0.5x at 16.
 MASKED_KEYS_PER_BUDGET_TRAIN = 8.0
-# without gradients (prefill) the gathered path has no backward and unions whole chunks, so the
-# masked path wins only closer to the budget
-MASKED_KEYS_PER_BUDGET_INFER = 3.0
+# Without gradients (prefill; released NosaConfig, GQA 8/2): gathered / masked was 3.0x at 1.5
+# budgets (8K tokens), 2.2x at 2.5 (16K) and 0.98x at 4.5 (32K).
+MASKED_KEYS_PER_BUDGET_INFER = 4.0
+# With gradients SDPA keeps each chunk's float mask for its backward, (KV heads x rows x keys)
+# elements in all: at most this many (128 MiB in float32, as the gathered path's SAVE_ELEMENTS),
+# else the gathered path, whose memory follows the budget rather than the context.
+MASKED_SAVE_ELEMENTS = 1 << 25
 # at most this many (KV head, row, key) mask entries per SDPA call: rows go in chunks, each over
 # the keys up to its last row, which also skips most of the causal upper triangle
 MASK_ELEMENTS = 1 << 19
 
 
-def use_masked(positions: torch.Tensor, cfg: NosaConfig, training: bool) -> bool:
+def use_masked(positions: torch.Tensor, num_kv_heads: int, cfg: NosaConfig, training: bool) -> bool:
     """Whether ``attend_masked`` is the faster path for query rows at ``positions`` [n] (ascending):
-    their mean context against the budget, thresholds measured on CPU."""
+    their mean context against the budget (thresholds above, measured on CPU), and with gradients
+    the masks SDPA keeps for backward within MASKED_SAVE_ELEMENTS."""
     if positions.numel() == 0:
         return False
     mean_keys = float(positions[0] + positions[-1]) / 2 + 1
-    limit = MASKED_KEYS_PER_BUDGET_TRAIN if training else MASKED_KEYS_PER_BUDGET_INFER
-    return mean_keys <= limit * cfg.topk_blocks * cfg.block_size
+    if training:
+        return (mean_keys <= MASKED_KEYS_PER_BUDGET_TRAIN * cfg.budget_tokens
+                and num_kv_heads * positions.numel() * mean_keys <= MASKED_SAVE_ELEMENTS)
+    return mean_keys <= MASKED_KEYS_PER_BUDGET_INFER * cfg.budget_tokens
 
 
 def attend_masked(

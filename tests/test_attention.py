@@ -18,6 +18,13 @@ def sdpa(q, k, v, scale):
     return out[0].transpose(0, 1)
 
 
+def use_gathered_path(monkeypatch):
+    """Route nosa.attention.attend_selected to the gathered path (``_attend_selected``), whose
+    grouping knobs these tests vary; by default short contexts take the masked path."""
+    monkeypatch.setattr("nosa.attention_masked.MASKED_KEYS_PER_BUDGET_TRAIN", 0.0)
+    monkeypatch.setattr("nosa.attention_masked.MASKED_KEYS_PER_BUDGET_INFER", 0.0)
+
+
 def make(length, hq, hkv, d, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(length, h, d, generator=g, dtype=dtype) for h in (hq, hkv, hkv)]
@@ -66,15 +73,17 @@ def brute_force_row(q, k, v, cis, blocks, t, cfg, scale):
 
 
 # inference paths: every chunk row by row (attend_gathered), whole chunks of shared + own keys,
-# every chunk over the union of its rows' blocks
+# every chunk over the union of its rows' blocks (gathered); the masked path (None)
 @pytest.mark.parametrize("rest_tokens, row_rest_tokens, union_limit", [(0, 0, 0), (200, 1 << 20, 0), (1 << 20, 0, 0),
-                                                                       (0, 0, 1000)])
+                                                                       (0, 0, 1000), (None, None, None)])
 @pytest.mark.parametrize("dense_len", [0, 40])
 def test_sparse_prefill_matches_brute_force_over_its_selection(dense_len, rest_tokens, row_rest_tokens, union_limit,
                                                                monkeypatch):
-    monkeypatch.setattr("nosa.attention.REST_TOKENS", rest_tokens)
-    monkeypatch.setattr("nosa.attention.ROW_REST_TOKENS", row_rest_tokens)
-    monkeypatch.setattr("nosa.attention.UNION_LIMIT", union_limit)
+    if rest_tokens is not None:
+        use_gathered_path(monkeypatch)
+        monkeypatch.setattr("nosa.attention.REST_TOKENS", rest_tokens)
+        monkeypatch.setattr("nosa.attention.ROW_REST_TOKENS", row_rest_tokens)
+        monkeypatch.setattr("nosa.attention.UNION_LIMIT", union_limit)
     length, hq, hkv, d = 180, 4, 2, 8
     cfg = NosaConfig.tiny(dense_len=dense_len)
     q, k, v = make(length, hq, hkv, d, seed=3)
@@ -175,9 +184,11 @@ def test_varlen_sequences_are_independent():
         nosa_prefill_varlen(q, k, v, cis, torch.tensor([0, 50, 40, 223]), cfg, 1.0)
 
 
-@pytest.mark.parametrize("rest_tokens", [0, 1 << 20])
+@pytest.mark.parametrize("rest_tokens", [0, 1 << 20, None])  # gathered (two groupings), masked
 def test_gradients_reach_q_k_v_and_eviction_head(rest_tokens, monkeypatch):
-    monkeypatch.setattr("nosa.attention.REST_TOKENS", rest_tokens)
+    if rest_tokens is not None:
+        use_gathered_path(monkeypatch)
+        monkeypatch.setattr("nosa.attention.REST_TOKENS", rest_tokens)
     cfg = NosaConfig.tiny()
     length, hq, hkv, d = 130, 4, 2, 8
     q, k, v = (t.double().requires_grad_() for t in make(length, hq, hkv, d, seed=4))
@@ -283,12 +294,15 @@ def masked_reference(q, k, v, cis, sel, cfg, scale):
     return torch.einsum("nhl,lhd->nhd", torch.softmax(logits, dim=-1), v.repeat_interleave(group, 1))
 
 
-@pytest.mark.parametrize("rest_tokens, row_chunk", [(0, 48), (300, 48), (1 << 20, 48), (1 << 20, 16), (1 << 20, 7)])
+@pytest.mark.parametrize("rest_tokens, row_chunk", [(0, 48), (300, 48), (1 << 20, 48), (1 << 20, 16), (1 << 20, 7),
+                                                    (None, None)])
 def test_selected_attention_gradients_equal_autograd_reference(rest_tokens, row_chunk, monkeypatch):
     """The hand-written backward of the selected-block attention (groups with shared and per-row
-    keys, split groups, single rows, chunks across block boundaries) gives autograd's gradients of
-    the masked float64 reference."""
-    monkeypatch.setattr("nosa.attention.REST_TOKENS", rest_tokens)
+    keys, split groups, single rows, chunks across block boundaries), and the masked path's SDPA
+    backward (None), give autograd's gradients of the masked float64 reference."""
+    if rest_tokens is not None:
+        use_gathered_path(monkeypatch)
+        monkeypatch.setattr("nosa.attention.REST_TOKENS", rest_tokens)
     cfg = NosaConfig.tiny(topk_blocks=5, query_blocks=2)
     length, hq, hkv, d = 200, 6, 2, 8
     q, k, v = (t.double().requires_grad_() for t in make(length, hq, hkv, d, seed=12))
