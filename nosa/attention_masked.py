@@ -107,8 +107,10 @@ def attend_masked(
         first, keys = int(positions[start]), int(positions[stop - 1]) + 1
         with torch.no_grad():  # the chunk's mask: its rows' blocks as tokens, then causality
             nbk = -(-keys // bsz)
-            mask = block_bias[:, start:stop, :nbk, None].expand(-1, -1, -1, bsz).reshape(hkv, stop - start, -1)
-            mask = mask[..., :keys]
+            # a fresh tensor (reshaping the expanded view can alias: one element for a whole block)
+            mask = block_bias.new_empty(hkv, stop - start, nbk, bsz)
+            mask.copy_(block_bias[:, start:stop, :nbk, None])
+            mask = mask.view(hkv, stop - start, -1)[..., :keys]
             # keys before the chunk's first position are causal for all of its rows
             future = torch.arange(first, keys, device=q.device) > positions[start:stop, None]
             mask[..., first:keys].masked_fill_(future, NEG_INF)

@@ -125,3 +125,12 @@ def test_dispatch_follows_the_context_against_the_budget(monkeypatch):
     nosa_prefill(q, k, v, cis, cfg, 0.35)
     nosa_prefill(q, k, v, cis.requires_grad_(), cfg, 0.35)
     assert calls == ["masked", "gathered"]  # inference within 4 budgets; training over the saved-mask bound
+
+
+@pytest.mark.parametrize("length", [1, 9, 16, 17, 40])
+def test_masked_equals_gathered_on_contexts_of_a_block_or_two(length):
+    """Short documents (packed training rows, the first tokens of a prompt): one or two blocks."""
+    cfg = NosaConfig.tiny(topk_blocks=5, query_blocks=2)
+    q, k, v, cis = make(length, 4, 2, 8, seed=length)
+    _, sel = nosa_prefill(q, k, v, cis, cfg, 0.35)
+    assert_paths_agree(both_paths(q, k, v, cis, sel, torch.arange(length), cfg, 0.35), atol=2e-5, rtol=1e-4)
