@@ -40,9 +40,11 @@ MASKED_KEYS_PER_BUDGET_INFER = 4.0
 # elements in all: at most this many (128 MiB in float32, as the gathered path's SAVE_ELEMENTS),
 # else the gathered path, whose memory follows the budget rather than the context.
 MASKED_SAVE_ELEMENTS = 1 << 25
-# at most this many (KV head, row, key) mask entries per SDPA call: rows go in chunks, each over
-# the keys up to its last row, which also skips most of the causal upper triangle
-MASK_ELEMENTS = 1 << 19
+# Rows go to SDPA in chunks of MASK_ROWS, each over the keys up to its last row, which skips most
+# of the causal upper triangle (measured best at 512 and 1024 tokens against 64-1024 rows), and
+# at most MASK_ELEMENTS (KV head, row, key) mask entries per call (64 MiB of float32).
+MASK_ROWS = 128
+MASK_ELEMENTS = 1 << 24
 
 
 def use_masked(positions: torch.Tensor, num_kv_heads: int, cfg: NosaConfig, training: bool) -> bool:
@@ -82,25 +84,24 @@ def attend_masked(
     dt = torch.promote_types(q.dtype, torch.float32)
     if n == 0:
         return q.new_zeros(0, hq, d)
-    bsz = cfg.block_size
+    bsz, last = cfg.block_size, int(positions[-1]) + 1
     with torch.no_grad():
         # a row with no key at all (its selection all -1, or only blocks after it) gets output 0 and
         # no gradient, as in the gathered path: it attends to token 0 here and is zeroed below, so no
         # NaN from an empty softmax reaches the backward
         has_key = ((sel >= 0) & (sel * bsz <= positions[:, None, None])).any(dim=-1)  # [n, Hkv]
         empty = None if bool(has_key.all()) else ~has_key.transpose(0, 1)  # [Hkv, n]
-        blocks = selection_mask(sel.transpose(0, 1), cfg.num_blocks(int(positions[-1]) + 1))  # [Hkv, n, NB]
+        blocks = selection_mask(sel.transpose(0, 1), cfg.num_blocks(last))  # [Hkv, n, NB]
         if empty is not None:
             blocks[..., 0] |= empty
         # additive float mask at block level (SDPA would convert a bool mask to this form itself)
         block_bias = torch.zeros(blocks.shape, dtype=dt, device=q.device).masked_fill_(~blocks, NEG_INF)
-    last = int(positions[-1]) + 1
     # [Hkv, G, n, D+1] queries and [Hkv, 1, L', D+1] keys / values: one SDPA batch per KV head
     qa = torch.cat([q.to(dt), q.new_full((n, hq, 1), 1.0 / scale, dtype=dt)], dim=-1)
     qa = qa.view(n, hkv, group, d + 1).permute(1, 2, 0, 3)
     ka = torch.cat([k[:last].to(dt), cis[:last, :, None].to(dt)], dim=-1).transpose(0, 1)[:, None]
     va = F.pad(v[:last].to(dt), (0, 1)).transpose(0, 1)[:, None]
-    rows = max(1, MASK_ELEMENTS // max(1, hkv * last))
+    rows = max(1, min(MASK_ROWS, MASK_ELEMENTS // (hkv * last)))
     outs = []
     for start in range(0, n, rows):
         stop = min(n, start + rows)
