@@ -1,6 +1,7 @@
 """Training step time, dense vs NOSA, side by side in one run.
 
-    .venv/bin/python scripts/bench_train.py [--quick] [--config configs/train/tiny.yaml] [--out results/train.json]
+    .venv/bin/python scripts/bench_train.py --threads 1 [--quick] [--crossover] [--config configs/train/tiny.yaml]
+        [--out results/train.json] [key=value overrides of the training config, e.g. seq_len=1024]
 
 Builds the model of the training config (``model.build``, random weights, vocabulary of
 ``tokenizer.vocab_size``), then times full optimizer steps (forward + backward + AdamW step on
@@ -9,7 +10,9 @@ converted to NOSA with the config's ``nosa`` section and eviction heads switched
 the selection is what a fine-tuned model's would be). Each variant gets warm-up steps, then the
 median of the timed steps is reported; the variants alternate step by step so machine noise hits
 both alike. Also times the NOSA forward alone (``--prefill-context``, default 32K, released
-NosaConfig) on one layer's shapes, the extend path SGLang runs. Not a test: nothing is asserted.
+NosaConfig) on one layer's shapes, the extend path SGLang runs. ``--crossover`` times the two CPU
+paths of the selected-block attention (gathered, masked) against each other over context lengths,
+the measurements behind nosa.attention_masked's thresholds. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -72,6 +75,43 @@ def prefill_case(context: int, a_nonzero: bool, hq: int = 8, hkv: int = 2, d: in
     return out
 
 
+def crossover_case(context: int, cfg, training: bool, hq: int, hkv: int, d: int = 32, repeats: int = 3) -> dict:
+    """The two CPU paths of ``nosa.attention.attend_selected`` on one layer's q/k/v of ``context``
+    tokens (eviction scores on): the gathered ``_attend_selected`` and the masked
+    ``nosa.attention_masked.attend_masked``, forward + backward when ``training`` (every row), else
+    forward only for the rows past ``cfg.dense_len``. The least CPU time of ``repeats``, alternating."""
+    from nosa import nosa_prefill
+    from nosa.attention import _attend_selected
+    from nosa.attention_masked import attend_masked
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(context, h, d, generator=g) for h in (hq, hkv, hkv))
+    cis = torch.rand(context, hkv, generator=g)
+    with torch.no_grad():
+        sel = nosa_prefill(q, k, v, cis, cfg, d**-0.5)[1]
+    first = 0 if training else min(cfg.dense_len, context - 1)
+    positions = torch.arange(first, context)
+    q, sel = q[first:], sel[first:]
+    if training:
+        q, k, v, cis = (t.requires_grad_() for t in (q, k, v, cis))
+    cpu = {"gathered": [], "masked": []}
+    for _ in range(repeats):
+        for name, fn in (("gathered", _attend_selected), ("masked", attend_masked)):
+            c0 = time.process_time()
+            with torch.set_grad_enabled(training):
+                out = fn(q, k, v, cis, sel, positions, cfg, d**-0.5)
+                if training:
+                    out.sum().backward()
+            cpu[name].append(time.process_time() - c0)
+    mean_keys = (first + context - 1) / 2 + 1
+    out = {"context": context, "training": training, "heads": f"{hq}/{hkv}", "nosa_config": cfg.to_dict(),
+           "mean_keys_per_budget": round(mean_keys / cfg.budget_tokens, 2)}
+    for name, ts in cpu.items():
+        out[f"{name}_cpu_s"] = round(min(ts), 4)
+    out["gathered_over_masked"] = round(out["gathered_cpu_s"] / out["masked_cpu_s"], 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "train", "tiny.yaml"))
@@ -81,6 +121,10 @@ def main() -> None:
     ap.add_argument("--prefill-context", type=int, default=32768, help="0 to skip the prefill timing")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default: torch's choice; 1 gives stable figures on a shared machine)")
+    ap.add_argument("--crossover", action="store_true",
+                    help="also time attend_selected's gathered vs masked CPU paths on one layer: training "
+                         "(the config's nosa, 1-8x its seq_len) and prefill (released NosaConfig, 8K-32K): the "
+                         "measurements behind nosa.attention_masked's thresholds (a few minutes)")
     ap.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed steps, prefill at 8K")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "train.json"))
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the training config")
@@ -133,6 +177,14 @@ def main() -> None:
         result["prefill"] = [prefill_case(args.prefill_context, a) for a in (False, True)]
         for row in result["prefill"]:
             print(json.dumps(row), flush=True)
+    if args.crossover:
+        heads = (dense.config.num_attention_heads, dense.config.num_key_value_heads)
+        d = dense.config.hidden_size // heads[0]
+        rows = [crossover_case(cfg.seq_len * m, cfg.nosa_config, True, *heads, d=d) for m in (1, 2, 4, 8)]
+        rows += [crossover_case(c, nosa.NosaConfig(), False, 8, 2, repeats=1) for c in (8192, 16384, 32768)]
+        result["crossover"] = rows
+        for row in result["crossover"]:
+            print(json.dumps({k: v for k, v in row.items() if k != "nosa_config"}), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -4,8 +4,7 @@
 import pytest
 import torch
 
-from nosa import EvictionHead, NosaConfig, nosa_prefill, nosa_prefill_varlen
-from nosa import attention, attention_masked
+from nosa import EvictionHead, NosaConfig, attention, attention_masked, nosa_prefill, nosa_prefill_varlen
 from nosa.attention import _attend_selected
 from nosa.attention_masked import attend_masked, use_masked
 
