@@ -13,7 +13,7 @@
   (default 131072, --quick 32768). Tiny random Llama (bench_serve's), released NosaConfig.
 - ``decode``: decode step time with offloading on vs off at ``--contexts`` (default 32768), batch 4,
   bench_serve's streamed measurement (median interval between streamed tokens while the whole
-  batch decodes). Recall is not overlapped with compute yet.
+  batch decodes), without the recall scheduler (the ``schedule`` part adds it).
 - ``schedule``: the same decode step with offloading off, on, and on with the recall scheduler
   ($NOSA_RECALL_SCHEDULER=1: the next layer's predicted blocks prefetched while a layer computes),
   the stall share of the step and the prefetch hit rate per layer (demand misses avoided), from
