@@ -123,8 +123,8 @@ def main() -> None:
                     help="torch intra-op threads (default: torch's choice; 1 gives stable figures on a shared machine)")
     ap.add_argument("--crossover", action="store_true",
                     help="also time attend_selected's gathered vs masked CPU paths on one layer: training "
-                         "(the config's nosa, 1-8x its seq_len) and prefill (released NosaConfig, 8K-32K): the "
-                         "measurements behind nosa.attention_masked's thresholds (a few minutes)")
+                         "(the config's nosa, 1-8x its seq_len) and prefill (released NosaConfig, 8K-64K): the "
+                         "measurements behind nosa.attention_masked's thresholds (about 5 minutes)")
     ap.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed steps, prefill at 8K")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "train.json"))
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the training config")
@@ -181,7 +181,7 @@ def main() -> None:
         heads = (dense.config.num_attention_heads, dense.config.num_key_value_heads)
         d = dense.config.hidden_size // heads[0]
         rows = [crossover_case(cfg.seq_len * m, cfg.nosa_config, True, *heads, d=d) for m in (1, 2, 4, 8)]
-        rows += [crossover_case(c, nosa.NosaConfig(), False, 8, 2, repeats=1) for c in (8192, 16384, 32768)]
+        rows += [crossover_case(c, nosa.NosaConfig(), False, 8, 2, repeats=1) for c in (8192, 16384, 32768, 65536)]
         result["crossover"] = rows
         for row in result["crossover"]:
             print(json.dumps({k: v for k, v in row.items() if k != "nosa_config"}), flush=True)
