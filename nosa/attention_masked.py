@@ -30,11 +30,11 @@ NEG_INF = float("-inf")
 # Masked attention is used while a row's keys up to its position (on average) are at most this
 # many times its budget in tokens (topk_blocks * block_size). Measured on CPU, one thread, one layer
 # (``scripts/bench_train.py --crossover``, results/train.json): with gradients, block 16 / budget 8
-# (the tiny training config, GQA 4/2), the gathered path took 3.1x the masked one's time at 2
-# budgets of keys per row, 2.0x at 4, 1.07x at 8 and 0.6x at 16.
+# (the tiny training config, GQA 4/2), the gathered path took 3.3x the masked one's time at 2
+# budgets of keys per row, 2.1x at 4, 1.2x at 8 and 0.6x at 16.
 MASKED_KEYS_PER_BUDGET_TRAIN = 8.0
 # Without gradients (prefill past dense_len; released NosaConfig, GQA 8/2): gathered / masked was
-# 2.9x at 1.5 budgets (8K tokens), 2.6x at 2.5 (16K), 1.7x at 4.5 (32K) and 0.67x at 8.5 (64K).
+# 2.7x at 1.5 budgets (8K tokens), 2.7x at 2.5 (16K), 1.7x at 4.5 (32K) and 0.8x at 8.5 (64K).
 MASKED_KEYS_PER_BUDGET_INFER = 6.0
 # With gradients SDPA keeps each chunk's float mask for its backward, (KV heads x rows x keys)
 # elements in all: at most this many (128 MiB in float32, as the gathered path's SAVE_ELEMENTS),
