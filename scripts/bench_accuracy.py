@@ -13,8 +13,9 @@ the sink blocks and the question's local window. The NOSA budget is the fine-tun
 NosaConfig; A = 0 gets the same one.
 
 Per variant and length:
-- ``acc``: share of examples whose answer tokens are all right under teacher forcing (= what greedy
-  decoding would produce); ``loss``: mean cross-entropy over the answer tokens.
+- ``acc``: share of answers right under teacher forcing (= what greedy decoding would produce; an
+  example asks several questions, each answered by one token, each counted); ``acc_example``:
+  share of examples with every answer right; ``loss``: mean cross-entropy over the answer tokens.
 For the two sparse variants, over the decode steps (every token of the question and its answers,
 fed one at a time after the context, per layer and KV head; nosa_prefill's row t selects as decode
 step t would):
@@ -61,16 +62,19 @@ def heldout(tokenizer, train_cfg: dict, cfg, length: int, count: int, seed: int)
     from nosa.train.tokenizer import token_counter
 
     syn = train_cfg["data"]["synthetic"] or {}
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []  # as training and SGLang
     examples = synthetic.make_split(
-        list(syn.get("tasks") or synthetic.TASKS), count, length, seed, token_counter(tokenizer), split="bench",
+        list(syn.get("tasks") or synthetic.TASKS), count, length - len(bos), seed, token_counter(tokenizer), split="bench",
         head=cfg.sink_blocks * cfg.block_size, tail=cfg.window_blocks * cfg.block_size,
         depth=tuple(syn.get("depth", (0.0, 1.0))),
     )
     out = []
     for ex in examples:
         enc = tokenizer(ex["text"], add_special_tokens=False, return_offsets_mapping=True)
-        answers = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if any(a <= s and e <= b for a, b in ex["targets"])]
-        out.append({"task": ex["task"], "ids": torch.tensor(enc["input_ids"]), "answers": answers, "question": ex["question"]})
+        answers = [len(bos) + i for i, (s, e) in enumerate(enc["offset_mapping"])
+                   if any(a <= s and e <= b for a, b in ex["targets"])]
+        out.append({"task": ex["task"], "ids": torch.tensor(bos + enc["input_ids"]), "answers": answers,
+                    "question": len(bos) + ex["question"]})
     return out
 
 
@@ -100,7 +104,7 @@ def measure(model, examples, cfg, sparse: bool) -> dict:
     from nosa.hf import capture_attention_inputs
     from nosa.select import blocks_entering, selection_mask
 
-    right, losses, by_task = [], [], {}
+    right, losses, by_task, tokens = [], [], {}, []
     entering, selected, step_max, mass = 0, 0, 0, []
     for ex in examples:
         ids, answers = ex["ids"], torch.tensor(ex["answers"])
@@ -110,8 +114,10 @@ def measure(model, examples, cfg, sparse: bool) -> dict:
                     logits = model(input_ids=ids[None]).logits[0]
             else:
                 logits = model(input_ids=ids[None]).logits[0]
-        ok = bool((logits[answers - 1].argmax(-1) == ids[answers]).all())
+        hits = logits[answers - 1].argmax(-1) == ids[answers]
+        ok = bool(hits.all())
         right.append(ok)
+        tokens += hits.tolist()
         by_task.setdefault(ex["task"], []).append(ok)
         losses.append(float(F.cross_entropy(logits[answers - 1].float(), ids[answers])))
         if not sparse:
@@ -128,7 +134,8 @@ def measure(model, examples, cfg, sparse: bool) -> dict:
             step_max = max(step_max, int(enter.max()))
             mass.append(_mass(q[first + 1 :], k, sel[1:], first + 1, cfg, attn.scaling, selection_mask))
     out = {
-        "acc": sum(right) / len(right),
+        "acc": sum(tokens) / len(tokens),
+        "acc_example": sum(right) / len(right),
         "loss": sum(losses) / len(losses),
         "acc_by_task": {t: sum(v) / len(v) for t, v in sorted(by_task.items())},
     }

@@ -51,6 +51,8 @@ class DataSection:
     eval_files: list[str] = field(default_factory=list)
     text_field: str = "text"
     loss_on: str = "all"  # "all" tokens or only the answer "targets" (examples with targets spans)
+    # weight of an answer token against any other labelled token in the loss (1: the plain mean)
+    answer_weight: float = 1.0
     num_proc: int = 1
 
 
@@ -87,6 +89,12 @@ class TrainConfig:
     # that grows with the square of the length, so short rows first make it emerge sooner.
     curriculum: list[list[int]] = field(default_factory=list)
     steps: int = 100  # NOSA fine-tuning steps after conversion
+    # before them, fit the eviction heads to the dense attention on this many training rows
+    # (nosa.train.distill; 0: off, the heads start at A = 0) and then set every A to distill_scale
+    distill_rows: int = 0
+    distill_steps: int = 1000
+    distill_lr: float = 3e-2
+    distill_scale: float = 0.1
     dense_lr: float | None = None  # lr of the dense phase (default optim.lr)
     freeze_base: bool = False  # NOSA phase: train the eviction heads only
     eval_every: int = 50  # and at the last step of each phase; 0: only at the last step
@@ -171,6 +179,13 @@ class TrainConfig:
             depth = self.data.synthetic.depth
             if len(depth) != 2 or not all(isinstance(x, (int, float)) for x in depth) or not 0 <= depth[0] <= depth[1] <= 1:
                 raise ValueError(f"data.synthetic.depth={depth!r}: expected [lo, hi] with 0 <= lo <= hi <= 1")
+        if self.distill_rows < 0 or self.distill_steps < 1 or not self.distill_scale > 0:
+            raise ValueError(
+                f"distill_rows={self.distill_rows}, distill_steps={self.distill_steps}, distill_scale="
+                f"{self.distill_scale}: expected rows >= 0, steps >= 1 and a positive scale"
+            )
+        if not self.data.answer_weight > 0:
+            raise ValueError(f"data.answer_weight={self.data.answer_weight}: expected a positive number")
         if self.data.loss_on not in ("all", "targets"):
             raise ValueError(f"data.loss_on={self.data.loss_on!r}: use all or targets")
         if self.wandb.mode not in (None, "offline", "online", "disabled"):

@@ -1,6 +1,7 @@
 """Data: local files through ``datasets``, tokenised and packed to ``seq_len``.
 
-Rows are ``input_ids`` [seq_len], ``labels`` [seq_len] (-100 where no loss is taken) and
+Rows are ``input_ids`` [seq_len], ``labels`` [seq_len] (-100 where no loss is taken), ``answers``
+[seq_len] (bool: the answer tokens of synthetic examples, which ``data.answer_weight`` weighs) and
 ``position_ids`` [seq_len], plus ``task`` (the synthetic task name, "" for plain text). Two kinds
 of source:
 
@@ -62,28 +63,29 @@ def _builder(path: str) -> str:
 
 
 def tokenize(ds, tokenizer, text_field: str = "text", num_proc: int = 1, targets_only: bool = True):
-    """Add ``input_ids`` and ``labels`` per document. With ``targets`` spans and ``targets_only``
-    only answer tokens carry labels; otherwise every token does."""
+    """Add ``input_ids``, ``labels`` and ``answers`` per document. Every document starts with the
+    tokenizer's BOS (when it has one), as SGLang and ``tokenizer(text)`` encode prompts, so the
+    model trains on what it is served. With ``targets`` spans and ``targets_only`` only answer
+    tokens carry labels, otherwise every token but BOS does; ``answers`` marks the answer tokens
+    (all False without ``targets``)."""
     if text_field not in ds.column_names:
         raise ValueError(f"data has no column {text_field!r}; columns are {ds.column_names}")
-    supervised = "targets" in ds.column_names and targets_only
+    has_targets = "targets" in ds.column_names
+    supervised = has_targets and targets_only
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
     def fn(batch):
-        enc = tokenizer(batch[text_field], add_special_tokens=False, return_offsets_mapping=supervised)
-        labels = []
+        enc = tokenizer(batch[text_field], add_special_tokens=False, return_offsets_mapping=has_targets)
+        input_ids, labels, answers = [], [], []
         for i, ids in enumerate(enc["input_ids"]):
-            if not supervised:
-                labels.append(list(ids))
-                continue
-            spans = batch["targets"][i]
-            labels.append(
-                [
-                    tok if any(a <= s and e <= b and e > s for a, b in spans) else IGNORE
-                    for tok, (s, e) in zip(ids, enc["offset_mapping"][i])
-                ]
-            )
+            spans = batch["targets"][i] if has_targets else []
+            offsets = enc["offset_mapping"][i] if has_targets else [(0, 0)] * len(ids)
+            answer = [any(a <= s and e <= b and e > s for a, b in spans) for s, e in offsets]
+            input_ids.append(bos + list(ids))
+            labels.append([IGNORE] * len(bos) + [t if ok or not supervised else IGNORE for t, ok in zip(ids, answer)])
+            answers.append([False] * len(bos) + answer)
         tasks = batch["task"] if "task" in batch else [""] * len(labels)
-        return {"input_ids": enc["input_ids"], "labels": labels, "task": tasks}
+        return {"input_ids": input_ids, "labels": labels, "answers": answers, "task": tasks}
 
     return ds.map(fn, batched=True, remove_columns=ds.column_names, num_proc=num_proc or None)
 
@@ -92,32 +94,37 @@ def pack(ds, seq_len: int, pad_id: int, eos_id: int | None, examples: bool):
     """Rows of exactly ``seq_len`` tokens (see the module docstring)."""
     import datasets
 
-    rows = {"input_ids": [], "labels": [], "position_ids": [], "task": []}
+    rows = {"input_ids": [], "labels": [], "answers": [], "position_ids": [], "task": []}
     if examples:
-        ids_row, lab_row, pos_row, task_row = [], [], [], ""
+        ids_row, lab_row, ans_row, pos_row, task_row = [], [], [], [], ""
         for ex in ds:
-            ids, lab = ex["input_ids"][-seq_len:], ex["labels"][-seq_len:]
+            ids, lab, ans = ex["input_ids"][-seq_len:], ex["labels"][-seq_len:], ex["answers"][-seq_len:]
             if ids_row and len(ids_row) + len(ids) > seq_len:
-                _flush(rows, ids_row, lab_row, pos_row, task_row, seq_len, pad_id)
-                ids_row, lab_row, pos_row = [], [], []
+                _flush(rows, ids_row, lab_row, ans_row, pos_row, task_row, seq_len, pad_id)
+                ids_row, lab_row, ans_row, pos_row = [], [], [], []
             task_row = ex["task"] if not ids_row else task_row
-            ids_row, lab_row, pos_row = ids_row + ids, lab_row + lab, pos_row + list(range(len(ids)))
+            ids_row, lab_row, ans_row = ids_row + ids, lab_row + lab, ans_row + ans
+            pos_row = pos_row + list(range(len(ids)))
         if ids_row:
-            _flush(rows, ids_row, lab_row, pos_row, task_row, seq_len, pad_id)
+            _flush(rows, ids_row, lab_row, ans_row, pos_row, task_row, seq_len, pad_id)
     else:
-        stream: list[int] = []
+        ids_stream: list[int] = []
+        lab_stream: list[int] = []
         for ex in ds:
-            stream += ex["input_ids"] + ([eos_id] if eos_id is not None else [])
-        for start in range(0, len(stream) - seq_len + 1, seq_len):
-            chunk = stream[start : start + seq_len]
+            end = [eos_id] if eos_id is not None else []
+            ids_stream += ex["input_ids"] + end
+            lab_stream += ex["labels"] + end
+        for start in range(0, len(ids_stream) - seq_len + 1, seq_len):
+            chunk = ids_stream[start : start + seq_len]
             rows["input_ids"].append(chunk)
-            rows["labels"].append(list(chunk))
+            rows["labels"].append(lab_stream[start : start + seq_len])
+            rows["answers"].append([False] * seq_len)
             rows["position_ids"].append(document_positions(chunk, eos_id))
             rows["task"].append("")
     if not rows["input_ids"]:
         raise ValueError(f"the data holds fewer than seq_len={seq_len} tokens: no training row")
     out = datasets.Dataset.from_dict(rows)
-    out.set_format("torch", columns=["input_ids", "labels", "position_ids"], output_all_columns=True)
+    out.set_format("torch", columns=["input_ids", "labels", "answers", "position_ids"], output_all_columns=True)
     return out
 
 
@@ -130,10 +137,11 @@ def document_positions(ids: list[int], eos_id: int | None) -> list[int]:
     return out
 
 
-def _flush(rows, ids, labels, positions, task, seq_len, pad_id):
+def _flush(rows, ids, labels, answers, positions, task, seq_len, pad_id):
     pad = seq_len - len(ids)
     rows["input_ids"].append(ids + [pad_id] * pad)
     rows["labels"].append(labels + [IGNORE] * pad)
+    rows["answers"].append(answers + [False] * pad)
     rows["position_ids"].append(positions + list(range(pad)))  # the padding: a document of its own
     rows["task"].append(task)
 
@@ -160,7 +168,7 @@ def prepare_synthetic(
     from nosa.train.tokenizer import load_tokenizer, token_counter, train_tokenizer
 
     want = dict(
-        version=2,
+        version=4,
         seq_len=seq_len,
         tokenizer=tokenizer_path or f"byte-bpe-{vocab_size}",
         lengths=sorted(set(lengths) | {seq_len}),
@@ -180,7 +188,7 @@ def prepare_synthetic(
             tok = load_tokenizer(tokenizer_path)
         else:
             sample = synthetic.make_split(list(synthetic.TASKS), 200, 4096, seed=sec.seed + 99)
-            tok = train_tokenizer((ex["text"] for ex in sample), vocab_size)
+            tok = train_tokenizer((ex["text"] for ex in sample), vocab_size, synthetic.RECALL_VALUES)
         # Leave room for nothing else: rows hold one example of at most seq_len tokens.
         synthetic.write_dataset(
             sec.dir,
@@ -193,6 +201,7 @@ def prepare_synthetic(
             meta=want,
             extra=lambda d: tok.save_pretrained(os.path.join(d, "tokenizer")),
             lengths=list(lengths),
+            reserve=int(tok.bos_token_id is not None),  # tokenize() puts BOS in front
             head=head,
             tail=tail,
             depth=tuple(sec.depth),
@@ -215,4 +224,4 @@ def batch_at(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
         index.append(int(perm[pos]))
     batch = rows[index]
-    return {"input_ids": batch["input_ids"], "labels": batch["labels"], "position_ids": batch["position_ids"]}
+    return {k: batch[k] for k in ("input_ids", "labels", "answers", "position_ids")}

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from nosa.train import checkpoint, synthetic
 from nosa.train.config import TrainConfig
 from nosa.train.data import batch_at, build_rows, offline_env, prepare_synthetic
+from nosa.train.distill import fit_eviction_heads
 from nosa.train.engine import ds_config, init_distributed, initialize, zero_stage
 from nosa.train.metrics import evaluate, selection_stats
 from nosa.train.model import build_model, eviction_scales, is_nosa, load_model, param_groups, to_nosa
@@ -90,6 +91,11 @@ def run(cfg: TrainConfig) -> dict:
         if phase == "nosa" and not is_nosa(model.config):
             to_nosa(model, cfg.nosa_config)
             print0(f"converted to NOSA: {cfg.nosa_config}")
+            if cfg.distill_rows:
+                fitted = fit_eviction_heads(model, rows.select(range(min(cfg.distill_rows, len(rows)))),
+                                            cfg.nosa_config, cfg.distill_steps, cfg.distill_lr,
+                                            cfg.distill_scale, print0)
+                logger.log(fitted, step=state["step"])
         lr = cfg.optim.lr if phase == "nosa" else (cfg.dense_lr or cfg.optim.lr)
         freeze = cfg.freeze_base and phase == "nosa"
         groups = param_groups(model, lr, cfg.optim.lr_evict, cfg.optim.weight_decay, freeze)
@@ -118,6 +124,20 @@ def run(cfg: TrainConfig) -> dict:
     return {"metrics": last, "model": model}
 
 
+def weighted_loss(logits, labels, answers, answer_weight: float = 1.0):
+    """Next-token cross-entropy over the labelled tokens, answer tokens weighing ``answer_weight``
+    (1: the plain mean, what transformers' ``labels=`` loss computes).
+    logits [b, L, V]; labels [b, L] (-100: no loss); answers [b, L] bool."""
+    import torch.nn.functional as F
+
+    from nosa.train.data import IGNORE
+
+    target = labels[:, 1:]
+    ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="none")
+    weight = (target != IGNORE).float() * (1 + (answer_weight - 1) * answers[:, 1:].float())
+    return (ce * weight.flatten()).sum() / weight.sum().clamp(min=1)
+
+
 def _train_phase(
     cfg, phase, engine, tokenizer, rows_at, eval_rows, state, end, rank, world, tokens_per_step, stage, logger, print0
 ) -> dict:
@@ -138,11 +158,13 @@ def _train_phase(
             batch = batch_at(rows, step, micro, cfg.grad_accum, micro_batch, rank, world, cfg.seed)
             # position_ids restart per packed document and, with no cache, give both the dense and
             # the NOSA attention a per-document mask (nosa.train.data)
-            out = engine(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device),
-                         position_ids=batch["position_ids"].to(device), use_cache=False)
-            engine.backward(out.loss)
+            out = engine(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
+                         use_cache=False)
+            micro_loss = weighted_loss(out.logits, batch["labels"].to(device), batch["answers"].to(device),
+                                       cfg.data.answer_weight)
+            engine.backward(micro_loss)
             engine.step()
-            loss_sum += out.loss.detach().float()
+            loss_sum += micro_loss.detach().float()
         loss = loss_sum / cfg.grad_accum
         if world > 1:
             dist.all_reduce(loss)
@@ -169,8 +191,9 @@ def _train_phase(
             metrics.update(evaluate(model, eval_rows, cfg.eval_examples))
         stats_due = cfg.stats_every and done % cfg.stats_every == 0
         if is_nosa(model.config) and (last_step or stats_due or (cfg.eval_every and done % cfg.eval_every == 0)):
-            sample = (eval_rows or rows_at[cfg.seq_len])[0]["input_ids"]
-            metrics.update(selection_stats(model, sample, cfg.nosa_config))
+            sample = (eval_rows or rows_at[cfg.seq_len])[0]
+            metrics.update(selection_stats(model, sample["input_ids"], cfg.nosa_config,
+                                           position_ids=sample["position_ids"]))
         if done % cfg.log_every == 0 or last_step or any(k.startswith("eval/") for k in metrics):
             logger.log(metrics, step=done)
         bar.set_postfix(loss=f"{float(loss):.4f}", acc=metrics.get("eval/acc", float("nan")))

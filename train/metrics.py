@@ -26,10 +26,11 @@ from nosa.train.data import IGNORE
 @torch.no_grad()
 def evaluate(model, rows, limit: int) -> dict[str, float]:
     """``eval/loss``, ``eval/acc`` (all answer tokens of a row right under teacher forcing, i.e.
-    greedy decoding would reproduce them) and ``eval/acc/<task>``."""
+    greedy decoding would reproduce them), ``eval/acc/<task>`` and ``eval/acc_token`` (the share
+    of answer tokens right: each question of a multi-question example counted on its own)."""
     was_training = model.training
     model.eval()
-    losses, right = [], defaultdict(list)
+    losses, right, tokens = [], defaultdict(list), []
     device = next(model.parameters()).device
     for i in range(min(limit, len(rows))):
         row = rows[i]
@@ -44,22 +45,33 @@ def evaluate(model, rows, limit: int) -> dict[str, float]:
         mask = target != IGNORE
         if mask.any():
             pred = out.logits[0, :-1].argmax(-1)
-            ok = bool((pred[mask] == target[mask]).all())
+            hits = pred[mask] == target[mask]
+            tokens += hits.tolist()
+            ok = bool(hits.all())
             right[row["task"] or "text"].append(ok)
     model.train(was_training)
     result = {"eval/loss": sum(losses) / max(1, len(losses))}
     every = [x for v in right.values() for x in v]
     if every:
         result["eval/acc"] = sum(every) / len(every)
+        result["eval/acc_token"] = sum(tokens) / len(tokens)
         for task, v in sorted(right.items()):
             result[f"eval/acc/{task}"] = sum(v) / len(v)
     return result
 
 
 @torch.no_grad()
-def selection_stats(model, input_ids: torch.Tensor, cfg: NosaConfig, mass_rows: int = 64) -> dict[str, float]:
+def selection_stats(
+    model, input_ids: torch.Tensor, cfg: NosaConfig, mass_rows: int = 64, position_ids: torch.Tensor | None = None
+) -> dict[str, float]:
     """Selection statistics of one sequence input_ids [L] (see the module docstring), per layer
-    (``select/churn_mean/layerN`` ...) and averaged over layers (``select/churn_mean`` ...)."""
+    (``select/churn_mean/layerN`` ...) and averaged over layers (``select/churn_mean`` ...). With
+    ``position_ids`` [L] of a packed row, only its first document counts (up to the first restart
+    of the positions), so another document or the padding never enters the statistics."""
+    if position_ids is not None:
+        restarts = (torch.as_tensor(position_ids)[1:] == 0).nonzero()
+        if restarts.numel():
+            input_ids = input_ids[: int(restarts[0]) + 1]
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

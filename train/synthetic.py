@@ -1,5 +1,13 @@
-"""Synthetic long-context tasks: key-value recall (the default), passkey retrieval, multi-key
+"""Synthetic long-context tasks: typed key-value recall (the default), passkey retrieval, multi-key
 needles, multi-query associative recall with names (MQAR) and variable tracking.
+
+``recall`` (the tiny default) is built so that a 2-layer model learns retrieval in minutes on a
+CPU: a value is ONE token that names its key (``K7`` belongs to key ``K``; ``RECALL_VALUES`` are
+added to the tokenizer as whole tokens), so answering ``K`` means finding the one ``K*`` token in
+the context and copying it: one attention hop by content, wherever the fact lies. Associative
+recall where the value does not name its key (``mqar``: ``ABC=12``) needs an induction circuit (a
+previous-token head composed with a matching head), which a tiny model did not learn within a
+CPU budget (measured; README, "Accuracy benchmark").
 
 An example is ``{"task", "text", "targets"}``: ``targets`` are character spans ``[start, end)`` of
 ``text`` that the model must predict (the answers); everything else is context. Lengths are
@@ -30,11 +38,11 @@ from typing import Callable
 TASKS = ("recall", "passkey", "multikey", "mqar", "vartrack")
 _CONS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
-# recall: single-letter keys and single-digit values (one token each), Zoology-style MQAR.
+# recall: single-letter keys; a key's values are the ten tokens <key><digit> (see the docstring)
 RECALL_KEYS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
-RECALL_PAIRS = 8
-RECALL_GROUPS = 2
-RECALL_QUERIES = 6
+RECALL_VALUES = tuple(f"{k}{d}" for k in RECALL_KEYS for d in "0123456789")
+RECALL_PAIRS = 4  # facts per example, each at its own depth
+RECALL_QUERIES = 4  # questions per example (every fact asked once, in random order)
 
 
 def _word(rng: random.Random) -> str:
@@ -78,12 +86,11 @@ def _names(rng: random.Random, n: int, size: int = 3) -> list[str]:
 # start with their leading space or are digits, so the tokenizer labels them whole.
 def _recall(rng):
     keys = rng.sample(RECALL_KEYS, RECALL_PAIRS)
-    vals = {k: rng.choice("0123456789") for k in keys}
-    per = -(-RECALL_PAIRS // RECALL_GROUPS)
-    facts = [" ".join(f"{k}{vals[k]}" for k in keys[i : i + per]) + "." for i in range(0, RECALL_PAIRS, per)]
+    vals = {k: k + rng.choice("0123456789") for k in keys}  # one token each (RECALL_VALUES)
+    facts = [f"{vals[k]}." for k in keys]
     parts = [(" ?", False)]
     for k in rng.sample(keys, RECALL_QUERIES):
-        parts += [(f" {k}", False), (vals[k], True)]
+        parts += [(f" {k}", False), (vals[k], True)]  # " KK7": the answer token right after its key
     return facts, parts + [(".", False)]
 
 
@@ -225,6 +232,7 @@ def write_dataset(
     meta: dict | None = None,
     extra: Callable[[str], None] | None = None,
     lengths: list[int] = (),
+    reserve: int = 0,
     **placement,
 ) -> str:
     """Write train.jsonl / heldout.jsonl (at ``length``), ``train-<L>.jsonl`` for every other L in
@@ -232,7 +240,8 @@ def write_dataset(
     ``extra(tmp_dir)`` may add files (the tokenizer the lengths were measured with).
     ``placement`` (head, tail, depth) applies at ``length``; the shorter curriculum stages are a
     warm-up of the dense model and place facts anywhere (a short row has no room for sinks and a
-    window, and a budget that covers the whole row selects everything anyway)."""
+    window, and a budget that covers the whole row selects everything anyway). Every example leaves
+    ``reserve`` tokens of its length free (the BOS the training data puts in front of it)."""
     tmp = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -241,12 +250,12 @@ def write_dataset(
         files += [(f"train-{n}", train, n, "train", {}) for n in sorted(set(lengths) - {length})]
         for name, count, n, split, where in files:
             with open(os.path.join(tmp, f"{name}.jsonl"), "w") as f:
-                for ex in make_split(list(tasks), count, n, seed, measure, split, **where):
+                for ex in make_split(list(tasks), count, n - reserve, seed, measure, split, **where):
                     f.write(json.dumps(ex) + "\n")
         if extra is not None:
             extra(tmp)
         info = dict(
-            meta or {}, tasks=list(tasks), train=train, heldout=heldout, length=length, seed=seed,
+            meta or {}, tasks=list(tasks), train=train, heldout=heldout, length=length, seed=seed, reserve=reserve,
             lengths=sorted(set(lengths) | {length}), **{k: list(v) if isinstance(v, tuple) else v for k, v in placement.items()},
         )
         with open(os.path.join(tmp, "meta.json"), "w") as f:

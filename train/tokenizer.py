@@ -33,8 +33,10 @@ def add_bos(tokenizer_object, bos_token: str) -> None:
     )
 
 
-def train_tokenizer(texts, vocab_size: int = 512):
-    """A byte-level BPE over ``texts`` (an iterable of str) -> PreTrainedTokenizerFast."""
+def train_tokenizer(texts, vocab_size: int = 512, extra_tokens=()):
+    """A byte-level BPE over ``texts`` (an iterable of str) -> PreTrainedTokenizerFast, plus
+    ``extra_tokens``: strings that always encode as one token each (ids after the BPE's
+    ``vocab_size``; e.g. the recall task's values, nosa.train.synthetic.RECALL_VALUES)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,6 +55,10 @@ def train_tokenizer(texts, vocab_size: int = 512):
     )
     tok.train_from_iterator(texts, trainer=trainer)
     add_bos(tok, "<bos>")
+    if extra_tokens:
+        from tokenizers import AddedToken
+
+        tok.add_tokens([AddedToken(t, normalized=False) for t in extra_tokens])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
                                    chat_template=CHAT_TEMPLATE)
 

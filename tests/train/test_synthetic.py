@@ -20,7 +20,7 @@ HEAD, TAIL = SINKS * BLOCK, WINDOW * BLOCK
 @pytest.fixture(scope="module")
 def tok():
     sample = synthetic.make_split(list(synthetic.TASKS), 40, 1024, seed=5)
-    return train_tokenizer((ex["text"] for ex in sample), vocab_size=400)
+    return train_tokenizer((ex["text"] for ex in sample), vocab_size=400, extra_tokens=synthetic.RECALL_VALUES)
 
 
 def _tokens(tok, ex):
@@ -53,13 +53,20 @@ def test_facts_lie_outside_sinks_and_the_question_window(task, tok):
 
 def test_recall_answers_come_only_from_the_facts(tok):
     ex = synthetic.make_example("recall", 400, 3, token_counter(tok), head=HEAD, tail=TAIL)
-    facts = [ex["text"][: ex["targets"][0][0]].split(" ?")[0]]
-    pairs = {p[0]: p[1:] for fact in facts for p in fact.replace(".", "").split() if p[0].isupper() and p[1:].isdigit()}
-    assert len(pairs) == synthetic.RECALL_PAIRS
-    question = ex["text"][ex["text"].index(" ?") :]
-    asked = [p for p in question.replace(".", "").split()[1:]]
-    assert len(asked) == synthetic.RECALL_QUERIES
-    assert all(pairs[p[0]] == p[1:] for p in asked)
+    context = ex["text"][: ex["text"].index(" ?")]
+    values = [w.rstrip(".") for w in context.split() if w.rstrip(".") in synthetic.RECALL_VALUES]
+    assert len(values) == synthetic.RECALL_PAIRS == len({v[0] for v in values})  # one value per key
+    answers = [ex["text"][a:b] for a, b in ex["targets"]]
+    assert len(answers) == synthetic.RECALL_QUERIES and set(answers) <= set(values)
+    # each question names the key of its answer; the answer is one token (an added token)
+    words = ex["text"][ex["text"].index(" ?") :].replace(".", "").split()[1:]
+    assert words == [a[0] + a for a in answers]
+    ids = tok(ex["text"], add_special_tokens=False)["input_ids"]
+    for a in answers:  # the token before each answer is its key (the question asks by the key)
+        at = ids.index(tok.convert_tokens_to_ids(a), ex["question"])
+        assert tok.decode([ids[at - 1]]).strip() == a[0]
+    for a in answers:
+        assert tok(a, add_special_tokens=False)["input_ids"] == [tok.convert_tokens_to_ids(a)]
 
 
 @pytest.mark.parametrize("depth", [(0.0, 0.1), (0.9, 1.0)])

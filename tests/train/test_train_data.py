@@ -64,7 +64,12 @@ def test_supervised_rows_label_only_answers(tmp_path, tok):
     # loss_on=all: every real token is labelled, the example boundaries stay.
     full = build_rows([str(tmp_path / "d" / "train.jsonl")], tok, 256, targets_only=False)[0]
     assert torch.equal(full["input_ids"], row["input_ids"])
-    assert ((full["labels"] != IGNORE) == ~pad).all()
+    # every document starts with BOS (as SGLang encodes prompts), which carries no label
+    bos = full["input_ids"] == tok.bos_token_id
+    assert full["input_ids"][0] == tok.bos_token_id and int(bos.sum()) == 1
+    assert ((full["labels"] != IGNORE) == (~pad & ~bos)).all()
+    # `answers` marks exactly the answer tokens, whatever the labels cover
+    assert torch.equal(full["answers"], labelled) and torch.equal(row["answers"], labelled)
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt"])
@@ -80,9 +85,11 @@ def test_text_files_are_packed_to_seq_len(tmp_path, tok, kind):
     else:
         path.write_text("\n".join(docs) + "\n")
     rows = build_rows([str(path)], tok, 64)
-    total = sum(len(tok(d, add_special_tokens=False)["input_ids"]) + 1 for d in docs)
+    total = sum(len(tok(d, add_special_tokens=False)["input_ids"]) + 2 for d in docs)  # + BOS, EOS
     assert len(rows) == total // 64
-    assert all(torch.equal(r["input_ids"], r["labels"]) for r in rows)
+    for r in rows:  # every token is its own label but BOS (nothing predicts a document's start)
+        bos = r["input_ids"] == tok.bos_token_id
+        assert torch.equal(r["labels"][~bos], r["input_ids"][~bos]) and (r["labels"][bos] == IGNORE).all()
     stream = torch.cat([r["input_ids"] for r in rows])
     assert (stream == tok.eos_token_id).sum() >= len(docs) - 2  # documents joined by EOS
     for r in rows:  # positions restart right after each EOS: one document per run of positions
@@ -94,7 +101,7 @@ def test_text_files_are_packed_to_seq_len(tmp_path, tok, kind):
 
 def test_packed_examples_restart_positions_per_example(tmp_path, tok):
     synthetic.write_dataset(str(tmp_path / "d"), ["passkey"], 4, 1, 100, seed=2, measure=token_counter(tok))
-    lengths = [len(tok(json.loads(x)["text"], add_special_tokens=False)["input_ids"])
+    lengths = [1 + len(tok(json.loads(x)["text"], add_special_tokens=False)["input_ids"])  # + BOS
                for x in (tmp_path / "d" / "train.jsonl").read_text().splitlines()]
     rows = build_rows([str(tmp_path / "d" / "train.jsonl")], tok, 256)
     assert len(rows) == 2  # two examples of at most 100 tokens per row

@@ -1,0 +1,97 @@
+"""Fitting the eviction heads to the dense attention (nosa.train.distill) and the answer-weighted
+loss of the training loop."""
+
+import pytest
+import torch
+
+from nosa.config import NosaConfig
+from nosa.train.distill import attention_targets, fit_eviction_heads
+from nosa.train.loop import weighted_loss
+
+CFG = NosaConfig(block_size=4, compress_kernel=2, compress_stride=2, sink_blocks=1, window_blocks=2,
+                 topk_blocks=4, query_blocks=1, dense_len=0)
+
+
+def test_targets_match_a_brute_force_over_far_rows():
+    torch.manual_seed(0)
+    length, hq, hkv, d = 24, 4, 2, 8
+    q, k = torch.randn(length, hq, d), torch.randn(length, hkv, d)
+    target, valid = attention_targets(q, k, CFG, scale=0.5)
+    want = torch.zeros(length, hkv)
+    seen = torch.zeros(length, dtype=torch.bool)
+    for t in range(length):
+        for h in range(hq):
+            logits = (q[t, h] @ k[: t + 1, h // 2].T) * 0.5
+            p = torch.softmax(logits, -1)
+            for j in range(t + 1):
+                if t // 4 - j // 4 >= CFG.window_blocks:  # outside the row's local window
+                    want[j, h // 2] = max(want[j, h // 2], p[j])
+                    seen[j] = True
+    torch.testing.assert_close(target, want)
+    assert torch.equal(valid[:, 0], seen & (torch.arange(length) >= 4))  # sink block excluded
+
+
+def test_fit_learns_which_values_are_attended():
+    from nosa.eviction import EvictionHead
+    from nosa.train.distill import fit_head
+
+    torch.manual_seed(0)
+    n, hkv, d = 512, 2, 8
+    v = torch.randn(n, hkv, d)
+    truth = torch.randn(hkv, d) * 2  # the direction of v that later queries attend to, per KV head
+    target = torch.sigmoid((v * truth).sum(-1) - 2)
+    valid = torch.rand(n, hkv) > 0.1
+    head = EvictionHead(hkv, d)
+    before, after = fit_head(head, v, target, valid, steps=400, lr=3e-2)
+    assert after < before
+    with torch.no_grad():
+        score = head.proj(v.flatten(-2))  # cis ranks tokens like this logit (A > 0)
+    for h in range(hkv):  # the fitted head ranks tokens as the attention does
+        top = score[:, h].topk(20).indices
+        assert target[top, h].mean() > 0.9 * target[:, h].topk(20).values.mean()
+
+
+def test_fit_on_a_model_sets_a_and_keeps_outputs_finite():
+    import nosa
+    from nosa.tiny import build_causal_lm
+
+    torch.manual_seed(0)
+    model = build_causal_lm("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    cfg = NosaConfig(block_size=8, compress_kernel=4, compress_stride=2, sink_blocks=1, window_blocks=2,
+                     topk_blocks=5, query_blocks=1, dense_len=0)
+    nosa.convert(model, cfg)
+    rows = [{"input_ids": torch.randint(0, 64, (64,)), "position_ids": torch.arange(64)} for _ in range(2)]
+    out = fit_eviction_heads(model, rows, cfg, steps=20, lr=3e-2, scale=0.25, print0=lambda *a: None)
+    assert out["distill/loss"] < out["distill/loss_first"]
+    for layer in model.model.layers:
+        assert torch.equal(layer.self_attn.nosa_evict.scale, torch.full((1,), 0.25))
+    assert torch.isfinite(model(input_ids=rows[0]["input_ids"][None]).logits).all()
+
+
+def test_weighted_loss_is_the_plain_mean_at_weight_one_and_weighs_answers():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 10)
+    labels = torch.randint(0, 10, (2, 6))
+    labels[0, 2] = -100
+    answers = torch.zeros(2, 6, dtype=torch.bool)
+    answers[1, 4] = True
+    plain = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    torch.testing.assert_close(weighted_loss(logits, labels, answers, 1.0), plain)
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+                                           reduction="none").reshape(2, 5)
+    w = (labels[:, 1:] != -100).float()
+    w[1, 3] = 5.0  # answers[1, 4] is predicted at position 3
+    torch.testing.assert_close(weighted_loss(logits, labels, answers, 5.0), (ce * w).sum() / w.sum())
+
+
+def test_bad_distill_settings_are_refused():
+    import os
+
+    from nosa.train.config import load_config
+
+    smoke = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "train", "smoke.yaml")
+    with pytest.raises(ValueError, match="distill_scale=0.0"):
+        load_config(smoke, ["distill_rows=4", "distill_scale=0.0"])
+    with pytest.raises(ValueError, match="answer_weight=-1"):
+        load_config(smoke, ["data.answer_weight=-1"])

@@ -1,0 +1,94 @@
+"""Fit the eviction heads to the dense model's attention before the NOSA fine-tune (optional,
+``distill_steps`` > 0).
+
+Why: right after conversion every eviction head is off (A = 0), and a head only receives a gradient
+through the blocks that are already selected, so a fact block the query-aware scores miss never
+teaches its head to keep it. Here each head learns, from the dense attention of the converted model
+on training rows, which tokens later queries attend to from beyond their local window; then A is
+set to ``distill_scale`` so the static (query-agnostic) part of the selection ranks blocks by it.
+
+Target of token j and KV head h: the largest dense attention probability any query head of h's
+group gives j from a row t whose local window does not cover j (t // B - j // B >= window_blocks),
+over the rows of one document. Sink-block tokens and tokens no such row sees carry no target. The
+head's logit ``W v_j + b`` (cis = A * softplus of it) is fitted to the target by binary cross-entropy
+with soft labels, on inputs captured once (v does not depend on W, b), so the fit costs a few
+forward passes and no backward through the model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nosa.config import NosaConfig
+from nosa.eviction import MODULE_NAME
+
+
+@torch.no_grad()
+def attention_targets(q, k, cfg: NosaConfig, scale: float):
+    """q [L, Hq, D], k [L, Hkv, D] -> (target [L, Hkv] in [0, 1], valid [L, Hkv] bool)."""
+    length, hq, _ = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    logits = torch.einsum("thd,jhd->htj", q.float(), k.float().repeat_interleave(group, 1)) * scale
+    pos = torch.arange(length)
+    far = (pos[:, None] // cfg.block_size - pos[None, :] // cfg.block_size) >= cfg.window_blocks  # [t, j]
+    future = pos[None, :] > pos[:, None]  # [t, j]: j after t
+    probs = torch.softmax(logits.masked_fill(future[None], float("-inf")), dim=-1)
+    probs = probs.masked_fill(~far[None], 0.0)  # [Hq, t, j]
+    target = probs.amax(dim=1).reshape(hkv, group, length).amax(dim=1).transpose(0, 1)  # [L, Hkv]
+    valid = far.any(dim=0) & (pos >= cfg.sink_blocks * cfg.block_size)
+    return target, valid[:, None].expand(length, hkv)
+
+
+def fit_eviction_heads(model, rows, cfg: NosaConfig, steps: int, lr: float, scale: float, print0=print) -> dict:
+    """Fit W, b of every eviction head of the converted ``model`` on ``rows`` (packed training rows,
+    first document of each), then set every A to ``scale``. Returns {"distill/loss": first, last}."""
+    from nosa.hf import capture_attention_inputs
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    data: dict[str, list] = {}
+    with torch.no_grad():
+        for row in rows:
+            ids, pos = row["input_ids"], torch.as_tensor(row["position_ids"])
+            restarts = (pos[1:] == 0).nonzero()
+            n = int(restarts[0]) + 1 if restarts.numel() else ids.shape[0]
+            with capture_attention_inputs(model) as captured:
+                model(input_ids=ids[None, :n].to(device))
+            for name, (q, k, v) in captured.items():
+                attn = model.get_submodule(name)
+                target, valid = attention_targets(q.cpu(), k.cpu(), cfg, attn.scaling)
+                data.setdefault(name, []).append((v.cpu(), target, valid))
+    model.train(was_training)
+    first = last = 0.0
+    for name, items in data.items():
+        head = getattr(model.get_submodule(name), MODULE_NAME)
+        v, target, valid = (torch.cat([x[i] for x in items]) for i in range(3))
+        a, b = fit_head(head, v, target, valid, steps, lr)
+        first, last = first + a / len(data), last + b / len(data)
+        with torch.no_grad():
+            head.scale.fill_(scale)
+    print0(f"eviction heads fitted to the dense attention: loss {first:.4f} -> {last:.4f} "
+           f"({steps} steps, {len(rows)} rows); A = {scale}")
+    return {"distill/loss_first": first, "distill/loss": last}
+
+
+def fit_head(head, v, target, valid, steps: int, lr: float) -> tuple[float, float]:
+    """Fit ``head.proj`` (W, b) so that sigmoid(W v + b) matches ``target`` where ``valid``.
+    v [N, Hkv, D]; target, valid [N, Hkv]. Returns the loss before and after."""
+    v = v.to(head.proj.weight)
+    target, valid = target.to(v), valid.to(v.device)
+    opt = torch.optim.Adam(head.proj.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        logit = head.proj(v.flatten(-2))  # [N, Hkv]
+        loss = F.binary_cross_entropy_with_logits(logit[valid], target[valid])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    with torch.no_grad():
+        final = float(F.binary_cross_entropy_with_logits(head.proj(v.flatten(-2))[valid], target[valid]))
+    return losses[0], final
