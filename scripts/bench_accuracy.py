@@ -64,7 +64,8 @@ def heldout(tokenizer, train_cfg: dict, cfg, length: int, count: int, seed: int)
     syn = train_cfg["data"]["synthetic"] or {}
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []  # as training and SGLang
     examples = synthetic.make_split(
-        list(syn.get("tasks") or synthetic.TASKS), count, length - len(bos), seed, token_counter(tokenizer), split="bench",
+        list(syn.get("tasks") or synthetic.TASKS), count, length - len(bos), seed, token_counter(tokenizer),
+        split="bench",
         head=cfg.sink_blocks * cfg.block_size, tail=cfg.window_blocks * cfg.block_size,
         depth=tuple(syn.get("depth", (0.0, 1.0))),
     )
@@ -236,7 +237,8 @@ def main(argv=None) -> int:
                       + f" ({result['seconds']}s)", file=sys.stderr, flush=True)
             del model
     results = [
-        {"variant": v, "length": n, "budget_share": cfg.topk_blocks / cfg.num_blocks(n), **summarize(rs), "per_seed": rs}
+        {"variant": v, "length": n, "budget_share": cfg.topk_blocks / cfg.num_blocks(n), **summarize(rs),
+         "per_seed": rs}
         for (v, n), rs in per_seed.items()
     ]
     report = {

@@ -177,7 +177,8 @@ class TrainConfig:
             if bad or not self.data.synthetic.tasks:
                 raise ValueError(f"data.synthetic.tasks: unknown {bad}; known tasks are {list(TASKS)}")
             depth = self.data.synthetic.depth
-            if len(depth) != 2 or not all(isinstance(x, (int, float)) for x in depth) or not 0 <= depth[0] <= depth[1] <= 1:
+            numbers = len(depth) == 2 and all(isinstance(x, (int, float)) for x in depth)
+            if not numbers or not 0 <= depth[0] <= depth[1] <= 1:
                 raise ValueError(f"data.synthetic.depth={depth!r}: expected [lo, hi] with 0 <= lo <= hi <= 1")
         if self.distill_rows < 0 or self.distill_steps < 1 or not self.distill_scale > 0:
             raise ValueError(
@@ -210,7 +211,9 @@ class TrainConfig:
                 )
         staged = sum(steps for steps, _ in self.curriculum)
         if staged > self.dense_steps:
-            raise ValueError(f"curriculum: its {staged} steps exceed dense_steps={self.dense_steps} (it is part of the dense phase)")
+            raise ValueError(
+                f"curriculum: its {staged} steps exceed dense_steps={self.dense_steps} (it is part of the dense phase)"
+            )
 
 
 def check_model_path(path: str) -> str:

@@ -53,7 +53,8 @@ def _word(rng: random.Random) -> str:
 # two, so an LM loss on the filler rewards a previous-token head early, the first half of the
 # induction circuit that retrieval needs.
 _LEXICON = [
-    "".join(r.choice(_CONS) + r.choice(_VOWELS) for _ in range(3)) for r in (random.Random(f"lexicon:{i}") for i in range(256))
+    "".join(r.choice(_CONS) + r.choice(_VOWELS) for _ in range(3))
+    for r in (random.Random(f"lexicon:{i}") for i in range(256))
 ]
 
 
@@ -256,7 +257,8 @@ def write_dataset(
             extra(tmp)
         info = dict(
             meta or {}, tasks=list(tasks), train=train, heldout=heldout, length=length, seed=seed, reserve=reserve,
-            lengths=sorted(set(lengths) | {length}), **{k: list(v) if isinstance(v, tuple) else v for k, v in placement.items()},
+            lengths=sorted(set(lengths) | {length}),
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in placement.items()},
         )
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(info, f, indent=1, sort_keys=True)
