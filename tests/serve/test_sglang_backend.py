@@ -198,7 +198,9 @@ def test_finished_and_aborted_requests_leave_no_state(servers):
     assert all(len(results[rid][1]["output_ids"]) < 700 for rid in rids if results[rid][0] == 200)
     stats = _wait_stats(server, lambda s: s["requests"] == 0)
     assert stats["requests"] == 0 and stats["layer_states"] == 0, stats
-    assert stats["freed_total"] >= freed_before + len(rids)
+    # every request that held decode state freed it (a request aborted while still queued, which
+    # happens on a loaded machine, never had any)
+    assert stats["freed_total"] >= freed_before + busy["requests"]
     assert len(server.generate(tiny.prompt_ids(20, 50), 3)) == 3
 
 
