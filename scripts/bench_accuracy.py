@@ -103,7 +103,8 @@ def measure(model, examples, cfg, sparse: bool) -> dict:
     from nosa.attention import nosa_prefill
     from nosa.eviction import MODULE_NAME
     from nosa.hf import capture_attention_inputs
-    from nosa.select import blocks_entering, selection_mask
+    from nosa.select import blocks_entering
+    from nosa.train.metrics import selection_mass
 
     right, losses, by_task, tokens = [], [], {}, []
     entering, selected, step_max, mass = 0, 0, 0, []
@@ -133,7 +134,8 @@ def measure(model, examples, cfg, sparse: bool) -> dict:
             entering += int(enter.sum())
             selected += int((sel[1:] >= 0).sum())
             step_max = max(step_max, int(enter.max()))
-            mass.append(_mass(q[first + 1 :], k, sel[1:], first + 1, cfg, attn.scaling, selection_mask))
+            rows = torch.arange(first + 1, first + sel.shape[0])
+            mass.append(selection_mass(q[first + 1 :], k, sel[1:], rows, cfg, attn.scaling))
     out = {
         "acc": sum(tokens) / len(tokens),
         "acc_example": sum(right) / len(right),
@@ -149,22 +151,6 @@ def measure(model, examples, cfg, sparse: bool) -> dict:
             mass=sum(mass) / len(mass),
         )
     return out
-
-
-def _mass(q, k, sel, first: int, cfg, scale: float, selection_mask) -> float:
-    """Mean share of dense attention probability inside the selection; q [n, Hq, D] are the rows
-    at positions first.., k [L, Hkv, D], sel [n, Hkv, K]."""
-    import torch
-
-    n, hq, _ = q.shape
-    length, hkv, _ = k.shape
-    group = hq // hkv
-    logits = torch.einsum("rhd,lhd->rhl", q.float(), k.float().repeat_interleave(group, 1)) * scale
-    positions = torch.arange(first, first + n)
-    causal = torch.arange(length)[None, :] <= positions[:, None]
-    probs = torch.softmax(logits.masked_fill(~causal[:, None, :], float("-inf")), dim=-1)
-    inside = selection_mask(sel, cfg.num_blocks(length))[..., torch.arange(length) // cfg.block_size]
-    return float((probs * inside.repeat_interleave(group, 1)).sum(-1).mean())
 
 
 def summarize(per_seed: list[dict]) -> dict:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from nosa.config import NosaConfig
 from nosa.eviction import MODULE_NAME
+from nosa.train.metrics import dense_probs, first_document
 
 
 @torch.no_grad()
@@ -29,14 +30,10 @@ def attention_targets(q, k, cfg: NosaConfig, scale: float):
     """q [L, Hq, D], k [L, Hkv, D] -> (target [L, Hkv] in [0, 1], valid [L, Hkv] bool)."""
     length, hq, _ = q.shape
     hkv = k.shape[1]
-    group = hq // hkv
-    logits = torch.einsum("thd,jhd->htj", q.float(), k.float().repeat_interleave(group, 1)) * scale
     pos = torch.arange(length)
     far = (pos[:, None] // cfg.block_size - pos[None, :] // cfg.block_size) >= cfg.window_blocks  # [t, j]
-    future = pos[None, :] > pos[:, None]  # [t, j]: j after t
-    probs = torch.softmax(logits.masked_fill(future[None], float("-inf")), dim=-1)
-    probs = probs.masked_fill(~far[None], 0.0)  # [Hq, t, j]
-    target = probs.amax(dim=1).reshape(hkv, group, length).amax(dim=1).transpose(0, 1)  # [L, Hkv]
+    probs = dense_probs(q, k, pos, scale).masked_fill(~far[:, None, :], 0.0)  # [t, Hq, j]
+    target = probs.amax(dim=0).reshape(hkv, hq // hkv, length).amax(dim=1).transpose(0, 1)  # [L, Hkv]
     valid = far.any(dim=0) & (pos >= cfg.sink_blocks * cfg.block_size)
     return target, valid[:, None].expand(length, hkv)
 
@@ -52,11 +49,9 @@ def fit_eviction_heads(model, rows, cfg: NosaConfig, steps: int, lr: float, scal
     data: dict[str, list] = {}
     with torch.no_grad():
         for row in rows:
-            ids, pos = row["input_ids"], torch.as_tensor(row["position_ids"])
-            restarts = (pos[1:] == 0).nonzero()
-            n = int(restarts[0]) + 1 if restarts.numel() else ids.shape[0]
+            ids = first_document(row["input_ids"], row["position_ids"])
             with capture_attention_inputs(model) as captured:
-                model(input_ids=ids[None, :n].to(device))
+                model(input_ids=ids[None].to(device))
             for name, (q, k, v) in captured.items():
                 attn = model.get_submodule(name)
                 target, valid = attention_targets(q.cpu(), k.cpu(), cfg, attn.scaling)

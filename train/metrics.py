@@ -69,9 +69,7 @@ def selection_stats(
     ``position_ids`` [L] of a packed row, only its first document counts (up to the first restart
     of the positions), so another document or the padding never enters the statistics."""
     if position_ids is not None:
-        restarts = (torch.as_tensor(position_ids)[1:] == 0).nonzero()
-        if restarts.numel():
-            input_ids = input_ids[: int(restarts[0]) + 1]
+        input_ids = first_document(input_ids, position_ids)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -105,13 +103,31 @@ def _layer_stats(q, k, v, cis, cfg: NosaConfig, scale: float, mass_rows: int) ->
         stats["churn_max"] = float(churn.max())
     rows = torch.linspace(first, length - 1, steps=min(mass_rows, length - first)).long().unique()
     if rows.numel():
-        hq, hkv = q.shape[1], k.shape[1]
-        group = hq // hkv
-        logits = torch.einsum("rhd,lhd->rhl", q[rows].float(), k.float().repeat_interleave(group, 1)) * scale
-        causal = torch.arange(length)[None, :] <= rows[:, None]
-        probs = torch.softmax(logits.masked_fill(~causal[:, None, :], float("-inf")), dim=-1)
-        inside = selection_mask(sel[rows], cfg.num_blocks(length))  # [r, Hkv, NB]
-        token_in = inside[..., torch.arange(length) // cfg.block_size]  # [r, Hkv, L]
-        token_in = token_in.repeat_interleave(group, 1)
-        stats["mass"] = float((probs * token_in).sum(-1).mean())
+        stats["mass"] = selection_mass(q[rows], k, sel[rows], rows, cfg, scale)
     return stats
+
+
+def dense_probs(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """The dense causal attention of query rows q [r, Hq, D] at ``positions`` [r] over k [L, Hkv, D]
+    (GQA groups share a KV head): softmax of scale * q.k over keys at or before each row, float32
+    [r, Hq, L]."""
+    group = q.shape[1] // k.shape[1]
+    logits = torch.einsum("rhd,lhd->rhl", q.float(), k.float().repeat_interleave(group, 1)) * scale
+    causal = torch.arange(k.shape[0], device=q.device)[None, :] <= positions[:, None]
+    return torch.softmax(logits.masked_fill(~causal[:, None, :], float("-inf")), dim=-1)
+
+
+def selection_mass(q, k, sel, positions, cfg: NosaConfig, scale: float) -> float:
+    """Mean share of the dense attention probability (``dense_probs``) inside the selected blocks,
+    over rows and query heads. q [r, Hq, D] at ``positions`` [r]; k [L, Hkv, D]; sel [r, Hkv, K]."""
+    length = k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    inside = selection_mask(sel, cfg.num_blocks(length))  # [r, Hkv, NB]
+    token_in = inside[..., torch.arange(length) // cfg.block_size].repeat_interleave(group, 1)  # [r, Hq, L]
+    return float((dense_probs(q, k, positions, scale) * token_in).sum(-1).mean())
+
+
+def first_document(input_ids: torch.Tensor, position_ids) -> torch.Tensor:
+    """The first document of a packed row: input_ids [L] up to the first restart of position_ids."""
+    restarts = (torch.as_tensor(position_ids)[1:] == 0).nonzero()
+    return input_ids[: int(restarts[0]) + 1] if restarts.numel() else input_ids
