@@ -82,6 +82,8 @@ class RecallScheduler:
         self._stream = None
         self._demanding = 0  # inline demand copies running (the worker pauses prefetches meanwhile)
         self._preempted: Transfer | None = None
+        # failed demand transfers that left the queue before their layer waited: wait() raises them
+        self._failed: dict[int, Transfer] = {}
         self.stats = {key: [0.0 if key.endswith("seconds") else 0 for _ in range(num_layers)] for key in
                       ("demand_seconds", "prefetch_seconds", "stall_seconds", "demand_items", "prefetch_items",
                        "dropped_items", "preemptions", "resumed")}
@@ -117,6 +119,9 @@ class RecallScheduler:
                 if self._current is not None and self._current.layer == layer and self._current.kind == DEMAND \
                         and self._current not in jobs:
                     jobs.append(self._current)
+                failed = self._failed.pop(layer, None)
+                if failed is not None and failed not in jobs:
+                    jobs.append(failed)
         start = time.perf_counter()
         for job in jobs:
             job.done.wait()
@@ -231,6 +236,8 @@ class RecallScheduler:
                 if job.finished():
                     if job in self._queue:
                         self._queue.remove(job)
+                    if job.error is not None and job.kind == DEMAND:
+                        self._failed.setdefault(job.layer, job)
                     job.done.set()
                 self._cv.notify_all()
 

@@ -121,6 +121,13 @@ def test_padding_and_bad_arguments():
         sched.submit(0, DEMAND, [dst], [src[:, :2]], idx, torch.tensor([1, -1, -1, 3, -1]))
         with pytest.raises(RuntimeError, match="copy for layer 0 failed"):
             sched.wait(0)
+        # also when the failed copy left the queue before the layer came to wait
+        sched.submit(0, DEMAND, [dst], [src[:, :2]], idx, torch.tensor([1, -1, -1, 3, -1]))
+        while not sched.idle():
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="copy for layer 0 failed"):
+            sched.wait(0)
+        sched.wait(0)  # raised once: nothing is pending now
         with pytest.raises(ValueError, match="kind must be"):
             sched.submit(0, "soon", [dst], [src], idx, idx)
         with pytest.raises(ValueError, match="equal 1-d index lists"):
