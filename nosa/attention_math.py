@@ -1,0 +1,97 @@
+"""The small attention math that prefill, decode, the serving engine and the kernels' references share.
+
+The softmax dtype (``compute_dtype``), causal dense attention (``dense_attention``), attention of
+each query row over its own gathered keys with its log-sum-exp (``attend_gathered``) and the exact
+merge of such results over disjoint key sets (``merge_attention``), plus the token indices of
+selected blocks (``selected_tokens``, ``gather_heads``). Layout as in nosa.attention: q [n, Hq, D];
+k, v [L, Hkv, D]; sel [n, Hkv, K].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal dense attention for the last n tokens (the dense_len path and a test yardstick).
+    q [n, Hq, D], k/v [L, Hkv, D] -> [n, Hq, D]."""
+    n, length = q.shape[0], k.shape[0]
+    dt = compute_dtype(q)
+    positions = torch.arange(length - n, length, device=q.device)
+    causal = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
+    out = F.scaled_dot_product_attention(
+        q.to(dt).transpose(0, 1)[None], k.to(dt).transpose(0, 1)[None], v.to(dt).transpose(0, 1)[None],
+        attn_mask=causal, scale=scale, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
+def gather_heads(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """x [L, Hkv, ...] (any strides), tokens [Hkv, T] -> [Hkv, T, ...]: row tokens[h] of head h.
+    One index_select per KV head: several times faster on CPU than x[tokens, heads]."""
+    return torch.stack([x[:, h].index_select(0, tokens[h]) for h in range(tokens.shape[0])])
+
+
+def attend_gathered(
+    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row over its own keys, gathered from a pool of (token, KV head) rows.
+
+    q [n, Hq, D]; k_rows, v_rows [N, D] (e.g. a [L, Hkv, D] cache viewed as [L * Hkv, D], or a
+    device block cache [S, B, D] viewed as [S * B, D]); rows [n, Hkv, T] long, the pool rows of row
+    i's keys for each KV head; bias [n, Hkv, T] added to the logits (cis, -inf for keys to skip).
+    Returns (out [n, Hq, Dv] in q's dtype, lse [n, Hq] in the softmax dtype (float32, float64 for
+    float64 inputs)): lse is the natural log of the sum
+    of exp(scale * q.k + bias) over the row's keys, so results over disjoint key sets merge exactly
+    (``merge_attention``); a row with no key gets out 0 and lse -inf.
+    One row at a time, so its gathered K/V stay in cache between gather and matmul: gathering every
+    row first measured about 3x slower on CPU. Inference prefill rows with many keys of their own
+    (``_attend_rows``) and decode (``nosa.decode``) use it.
+    """
+    n, hq, d = q.shape
+    hkv = rows.shape[1]
+    dt = compute_dtype(q)
+    outs, lses = [], []
+    for i in range(n):
+        index = rows[i].flatten()
+        k_i = k_rows.index_select(0, index).to(dt).view(hkv, -1, d)
+        qg = q[i].to(dt).view(hkv, hq // hkv, d)
+        logits = torch.baddbmm(bias[i, :, None, :].to(dt), qg, k_i.transpose(1, 2), alpha=scale)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [Hkv, G, 1]
+        probs = torch.exp(logits - lse.masked_fill(lse == NEG_INF, 0.0))  # no key: all 0, not NaN
+        v_i = v_rows.index_select(0, index).to(dt).view(hkv, -1, v_rows.shape[-1])
+        outs.append(torch.bmm(probs, v_i).view(hq, -1))
+        lses.append(lse.view(hq))
+    return torch.stack(outs).to(q.dtype), torch.stack(lses)
+
+
+def merge_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge attention over disjoint key sets into attention over their union, exactly.
+
+    outs: tensors [..., Dv]; lses: the matching [...] float32 log-sum-exps (-inf for an empty part).
+    Returns (out [..., Dv] in the dtype of outs[0], lse [...]): out = sum_p exp(lse_p - lse) out_p.
+    """
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    safe = lse.masked_fill(lse == NEG_INF, 0.0)
+    dt = torch.promote_types(compute_dtype(outs[0]), lse.dtype)
+    out = sum(torch.exp(part - safe).to(dt)[..., None] * o.to(dt) for o, part in zip(outs, lses))
+    return out.to(outs[0].dtype), lse
+
+
+def selected_tokens(sel: torch.Tensor, lengths: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens of the selected blocks: sel [n, Hkv, K] (-1 = none), lengths [n] (tokens each row
+    may see) -> (tokens [n, Hkv, K * block_size], valid [n, Hkv, K * block_size]). Invalid entries
+    (missing blocks, tokens at or past the length) are clamped to a real token and must be masked."""
+    lengths = lengths[:, None, None]
+    blocks = torch.where(sel >= 0, sel, lengths)  # missing blocks land past the end
+    tokens = (blocks[..., None] * block_size + torch.arange(block_size, device=sel.device)).flatten(-2)
+    valid = tokens < lengths
+    return torch.minimum(tokens, lengths - 1), valid
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Softmax in at least fp32 (bf16/fp16 inputs are upcast; fp64 stays fp64 for gradcheck)."""
+    return torch.promote_types(x.dtype, torch.float32)
