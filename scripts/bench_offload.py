@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -42,73 +41,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-
-def _server(ckpt, args, log, env=None, threads=None):
-    from nosa.serve.process import ServerProcess
-
-    env = dict(env or {})
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    # a long prefill forward on a shared 2-core CPU can outlast SGLang's 300 s scheduler watchdog
-    return ServerProcess(ckpt, ["--skip-server-warmup", "--dtype", "float32", "--mem-fraction-static", "0.3",
-                                "--watchdog-timeout", "7200", *args],
-                         log, env=env).wait_ready(timeout=600)
-
-
-def _offload_env(host, device, stats):
-    return {"NOSA_OFFLOAD": "1", "NOSA_HOST_KV_TOKENS": str(host), "NOSA_DEVICE_KV_TOKENS": str(device),
-            "NOSA_SERVE_STATS_FILE": stats}
-
-
-def _counters(stats_file: str) -> dict:
-    with open(stats_file) as f:
-        off = json.load(f)["offload"]
-    total = {k: sum(v) for k, v in off.items() if k != "max_warm_misses"}
-    return {
-        "warm_hit_rate": round(total["warm_hits"] / max(total["warm_selected"], 1), 4),
-        "hit_rate_all_steps": round(total["hits"] / max(total["selected"], 1), 4),
-        "recalled_blocks": total["misses"], "recalled_bytes": total["recalled_bytes"],
-        "max_warm_misses_per_head": max(off["max_warm_misses"]), "layer_steps": total["steps"],
-        "warm_selected": total["warm_selected"], "warm_misses": total["warm_selected"] - total["warm_hits"],
-    }
+from _bench_offload_setup import _decode_setup, _offload_env, _server, _task_prompts, _zero_heads_copy  # noqa: E402
+from _bench_offload_stats import _counters, _timeline, _timeline_summary, _TimelineRecorder  # noqa: E402
 
 
 # ---- hit rate: trained eviction heads vs A = 0 ------------------------------------------------
-def _zero_heads_copy(ckpt: str, dest: str) -> str:
-    """The checkpoint with every eviction head's A set to 0 (training-free selection)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(ckpt, dest)
-    for name in os.listdir(dest):
-        if name.endswith(".safetensors"):
-            tensors = load_file(os.path.join(dest, name))
-            for key in tensors:
-                if key.endswith(".nosa_evict.scale"):
-                    tensors[key] = torch.zeros_like(tensors[key])
-            save_file(tensors, os.path.join(dest, name), metadata={"format": "pt"})
-    return dest
-
-
-def _task_prompts(ckpt: str, length: int, count: int, seed: int) -> list[list[int]]:
-    """Synthetic examples of the run's own tasks (nosa_train.json) at ``length`` tokens, up to the answer."""
-    from transformers import AutoTokenizer
-
-    from nosa.train.synthetic import make_example
-
-    tok = AutoTokenizer.from_pretrained(ckpt)
-    run = os.path.join(ckpt, "nosa_train.json")
-    tasks = ["passkey", "mqar"]
-    if os.path.exists(run):
-        with open(run) as f:
-            tasks = (json.load(f).get("data", {}).get("synthetic") or {}).get("tasks") or tasks
-    prompts = []
-    for i in range(count):
-        ex = make_example(tasks[i % len(tasks)], length, seed + i, measure=lambda s: len(tok(s)["input_ids"]))
-        prompts.append(tok(ex["text"][: ex["targets"][0][0]])["input_ids"])
-    return prompts
-
-
 def bench_hitrate(args, work) -> dict:
     from nosa.hf import nosa_config_of
 
@@ -197,32 +134,7 @@ def bench_capacity(args, work, ckpt) -> dict:
     print(json.dumps(out), flush=True)
     return out
 
-
 # ---- decode step, offloading on vs off ---------------------------------------------------------
-def _decode_setup(args):
-    """Contexts of the decode parts, and mode -> (server flags, environment) for their servers:
-    "off" (KV in SGLang's pool), "on" (offloaded, a device budget of ``batch`` requests), "scheduled"
-    (offloaded, with the recall scheduler)."""
-    from nosa.config import NosaConfig
-
-    cfg = NosaConfig()
-    contexts = [8192] if args.quick else args.contexts
-    max_ctx = max(contexts) + args.decode_tokens + 16
-    common = ["--attention-backend", "nosa", "--chunked-prefill-size", "4096", "--context-length", str(max_ctx),
-              "--max-running-requests", str(args.batch)]
-    host = args.batch * max_ctx + 1024
-
-    def server_args(mode: str, stats: str):
-        if mode == "off":
-            return [*common, "--max-total-tokens", str(host)], {}
-        env = _offload_env(host, args.batch * cfg.budget_tokens, stats)
-        if mode == "scheduled":
-            env["NOSA_RECALL_SCHEDULER"] = "1"
-        return [*common, "--page-size", str(cfg.block_size)], env
-
-    return contexts, server_args
-
-
 def bench_decode(args, work, ckpt) -> dict:
     from bench_serve import measure
 
@@ -250,65 +162,6 @@ def bench_decode(args, work, ckpt) -> dict:
 
 
 # ---- recall scheduling: decode step off / on / on + scheduler ------------------------------------
-def _timeline(stats_file: str, since: float) -> list[dict]:
-    with open(stats_file) as f:
-        return [r for r in json.load(f).get("timeline", []) if r["time"] >= since]
-
-
-class _TimelineRecorder:
-    """Every step record of a server's stats file from ``since`` on. The file holds only the newest 256
-    steps and is rewritten at most once a second, so it is polled and the records merged by step."""
-
-    def __init__(self, stats_file: str, since: float, every: float = 0.5):
-        import threading
-
-        self.stats_file, self.since, self.every = stats_file, since, every
-        self.records: dict[int, dict] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        if os.path.exists(self.stats_file):
-            try:
-                for r in _timeline(self.stats_file, self.since):
-                    self.records[r["step"]] = r
-            except (json.JSONDecodeError, OSError):
-                pass  # replaced while read: the next poll reads it
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            self._poll()
-
-    def stop(self) -> list[dict]:
-        self._stop.set()
-        self._thread.join()
-        self._poll()
-        return [self.records[k] for k in sorted(self.records)]
-
-
-def _timeline_summary(records: list[dict], batch: int | None = None) -> dict:
-    if batch is not None:
-        records = [r for r in records if r["batch"] == batch] or records
-    if not records:
-        return {}
-    layers = len(records[0]["layers"]["selected"])
-    tot = {k: [sum(r["layers"][k][i] for r in records) for i in range(layers)] for k in records[0]["layers"]}
-    wall = sum(r["wall_seconds"] for r in records)
-    return {"steps": len(records), "stall_share": round(sum(r["stall_seconds"] for r in records) / wall, 4),
-            "ms_layers_per_step": round(1000 * wall / len(records), 2),
-            "ms_stall_per_step": round(1000 * sum(r["stall_seconds"] for r in records) / len(records), 3),
-            "ms_recall_per_step": round(1000 * sum(sum(r["layers"]["recall_seconds"]) for r in records)
-                                        / len(records), 3),
-            "hit_rate": round(sum(tot["hits"]) / max(sum(tot["selected"]), 1), 4),
-            "demand_misses_per_layer": tot["misses"], "prefetched_per_layer": tot["prefetched"],
-            "prefetch_hits_per_layer": tot["prefetch_hits"],
-            "prefetch_hit_rate_per_layer": [round(p / max(p + m, 1), 4)
-                                            for p, m in zip(tot["prefetch_hits"], tot["misses"])],
-            "prefetch_precision_per_layer": [round(h / max(p, 1), 4)
-                                             for h, p in zip(tot["prefetch_hits"], tot["prefetched"])]}
-
-
 def bench_schedule(args, work, ckpt) -> dict:
     """Off, on and on + scheduler side by side. The three servers are up at once (an idle one sleeps,
     ``--sleep-on-idle``) and the measurements interleave: each of ``--repeats`` repeats measures off
