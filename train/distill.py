@@ -9,7 +9,13 @@ set to ``distill_scale`` so the static (query-agnostic) part of the selection ra
 
 Target of token j and KV head h: the largest dense attention probability any query head of h's
 group gives j from a row t whose local window does not cover j (t // B - j // B >= window_blocks),
-over the rows of one document. Sink-block tokens and tokens no such row sees carry no target. The
+over the rows of one document, each row weighed by what the training loss weighs its prediction
+(``row_weights``: 0 for a row whose next token carries no label, ``data.answer_weight`` for one that
+predicts an answer, 1 otherwise; divided by the largest). The heads thus learn what the objective
+needs from far away: with filler that repeats, the dense model also looks far back to copy filler,
+and unweighted targets ranked those filler tokens with the facts, so the static selection kept
+filler (measured: README, "Accuracy benchmark"). Sink-block tokens and tokens no such row sees
+carry no target. The
 head's logit ``W v_j + b`` (cis = A * softplus of it) is fitted to the target by binary cross-entropy
 with soft labels, on inputs captured once (v does not depend on W, b), so the fit costs a few
 forward passes and no backward through the model.
@@ -22,25 +28,41 @@ import torch.nn.functional as F
 
 from nosa.config import NosaConfig
 from nosa.eviction import MODULE_NAME
+from nosa.train.data import IGNORE
 from nosa.train.metrics import dense_probs, first_document
 
 
 @torch.no_grad()
-def attention_targets(q, k, cfg: NosaConfig, scale: float):
-    """q [L, Hq, D], k [L, Hkv, D] -> (target [L, Hkv] in [0, 1], valid [L, Hkv] bool)."""
+def attention_targets(q, k, cfg: NosaConfig, scale: float, weight: torch.Tensor | None = None):
+    """q [L, Hq, D], k [L, Hkv, D], weight [L] (row t's weight, default 1) -> (target [L, Hkv] in
+    [0, 1], valid [L, Hkv] bool)."""
     length, hq, _ = q.shape
     hkv = k.shape[1]
     pos = torch.arange(length)
+    weight = torch.ones(length) if weight is None else weight.float().cpu()
+    weight = weight / weight.max().clamp(min=1e-12)
     far = (pos[:, None] // cfg.block_size - pos[None, :] // cfg.block_size) >= cfg.window_blocks  # [t, j]
-    probs = dense_probs(q, k, pos, scale).masked_fill(~far[:, None, :], 0.0)  # [t, Hq, j]
+    far = far & (weight[:, None] > 0)
+    probs = dense_probs(q, k, pos, scale).masked_fill(~far[:, None, :], 0.0) * weight[:, None, None]  # [t, Hq, j]
     target = probs.amax(dim=0).reshape(hkv, hq // hkv, length).amax(dim=1).transpose(0, 1)  # [L, Hkv]
     valid = far.any(dim=0) & (pos >= cfg.sink_blocks * cfg.block_size)
     return target, valid[:, None].expand(length, hkv)
 
 
-def fit_eviction_heads(model, rows, cfg: NosaConfig, steps: int, lr: float, scale: float, print0=print) -> dict:
-    """Fit W, b of every eviction head of the converted ``model`` on ``rows`` (packed training rows,
-    first document of each), then set every A to ``scale``. Returns {"distill/loss": first, last}."""
+def row_weights(labels: torch.Tensor, answers: torch.Tensor, answer_weight: float) -> torch.Tensor:
+    """The loss weight of each row's next-token prediction (as train.loop.weighted_loss weighs it):
+    labels, answers [L] -> [L] float, the last row 0 (it predicts nothing)."""
+    target, answer = torch.as_tensor(labels)[1:], torch.as_tensor(answers)[1:].float()
+    weight = (target != IGNORE).float() * (1 + (answer_weight - 1) * answer)
+    return torch.cat([weight, weight.new_zeros(1)])
+
+
+def fit_eviction_heads(
+    model, rows, cfg: NosaConfig, steps: int, lr: float, scale: float, answer_weight: float = 1.0, print0=print
+) -> dict:
+    """Fit W, b of every eviction head of the converted ``model`` on ``rows`` (packed training rows
+    with labels and answers, first document of each; rows weighed as the loss weighs them), then
+    set every A to ``scale``. Returns {"distill/loss": first, last}."""
     from nosa.hf import capture_attention_inputs
 
     was_training = model.training
@@ -50,11 +72,14 @@ def fit_eviction_heads(model, rows, cfg: NosaConfig, steps: int, lr: float, scal
     with torch.no_grad():
         for row in rows:
             ids = first_document(row["input_ids"], row["position_ids"])
+            weight = None  # rows without labels (plain ids): every row counts
+            if "labels" in row:
+                weight = row_weights(row["labels"], row["answers"], answer_weight)[: len(ids)]
             with capture_attention_inputs(model) as captured:
                 model(input_ids=ids[None].to(device))
             for name, (q, k, v) in captured.items():
                 attn = model.get_submodule(name)
-                target, valid = attention_targets(q.cpu(), k.cpu(), cfg, attn.scaling)
+                target, valid = attention_targets(q.cpu(), k.cpu(), cfg, attn.scaling, weight)
                 data.setdefault(name, []).append((v.cpu(), target, valid))
     model.train(was_training)
     first = last = 0.0

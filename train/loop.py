@@ -95,8 +95,13 @@ def run(cfg: TrainConfig) -> dict:
             if cfg.distill_rows:
                 fitted = fit_eviction_heads(model, rows.select(range(min(cfg.distill_rows, len(rows)))),
                                             cfg.nosa_config, cfg.distill_steps, cfg.distill_lr,
-                                            cfg.distill_scale, print0)
+                                            cfg.distill_scale, cfg.data.answer_weight, print0)
                 logger.log(fitted, step=state["step"])
+            if eval_rows is not None:  # what the fine-tune starts from: the converted model, A set
+                start_eval = {f"converted/{k.split('/', 1)[1]}": v
+                              for k, v in evaluate(model, eval_rows, cfg.eval_examples).items()}
+                print0("converted model: " + ", ".join(f"{k} {v:.4f}" for k, v in start_eval.items()))
+                logger.log(start_eval, step=state["step"])
         lr = cfg.optim.lr if phase == "nosa" else (cfg.dense_lr or cfg.optim.lr)
         freeze = cfg.freeze_base and phase == "nosa"
         groups = param_groups(model, lr, cfg.optim.lr_evict, cfg.optim.weight_decay, freeze)

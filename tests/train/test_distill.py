@@ -5,30 +5,51 @@ import pytest
 import torch
 
 from nosa.config import NosaConfig
-from nosa.train.distill import attention_targets, fit_eviction_heads
+from nosa.train.distill import attention_targets, fit_eviction_heads, row_weights
 from nosa.train.loop import weighted_loss
 
 CFG = NosaConfig(block_size=4, compress_kernel=2, compress_stride=2, sink_blocks=1, window_blocks=2,
                  topk_blocks=4, query_blocks=1, dense_len=0)
 
 
-def test_targets_match_a_brute_force_over_far_rows():
+@pytest.mark.parametrize("weighted", [False, True])
+def test_targets_match_a_brute_force_over_far_rows(weighted):
     torch.manual_seed(0)
     length, hq, hkv, d = 24, 4, 2, 8
     q, k = torch.randn(length, hq, d), torch.randn(length, hkv, d)
-    target, valid = attention_targets(q, k, CFG, scale=0.5)
+    # rows weighed as the loss weighs them: 0 (no label), 1 (filler), 8 (predicts an answer)
+    weight = torch.tensor([0.0, 1.0, 8.0])[torch.randint(0, 3, (length,))] if weighted else None
+    target, valid = attention_targets(q, k, CFG, scale=0.5, weight=weight)
+    w = torch.ones(length) if weight is None else weight / weight.max()
     want = torch.zeros(length, hkv)
     seen = torch.zeros(length, dtype=torch.bool)
     for t in range(length):
+        if w[t] == 0:
+            continue
         for h in range(hq):
             logits = (q[t, h] @ k[: t + 1, h // 2].T) * 0.5
             p = torch.softmax(logits, -1)
             for j in range(t + 1):
                 if t // 4 - j // 4 >= CFG.window_blocks:  # outside the row's local window
-                    want[j, h // 2] = max(want[j, h // 2], p[j])
+                    want[j, h // 2] = max(want[j, h // 2], w[t] * p[j])
                     seen[j] = True
     torch.testing.assert_close(target, want)
     assert torch.equal(valid[:, 0], seen & (torch.arange(length) >= 4))  # sink block excluded
+
+
+def test_row_weights_are_the_loss_weights():
+    """row t's weight is what weighted_loss gives the prediction of token t + 1."""
+    torch.manual_seed(1)
+    logits = torch.randn(1, 12, 10)
+    labels = torch.randint(0, 10, (1, 12))
+    labels[0, [0, 3, 7]] = -100
+    answers = torch.zeros(1, 12, dtype=torch.bool)
+    answers[0, [5, 9]] = True
+    w = row_weights(labels[0], answers[0], 6.0)
+    assert w.shape == (12,) and w[-1] == 0 and w[2] == 0 and w[4] == 6 and w[8] == 6 and w[1] == 1
+    ce = torch.nn.functional.cross_entropy(logits[0], torch.cat([labels[0, 1:], labels[0, :1]]), reduction="none",
+                                           ignore_index=-100)
+    torch.testing.assert_close(weighted_loss(logits, labels, answers, 6.0), (ce * w).sum() / w.sum())
 
 
 def test_fit_learns_which_values_are_attended():
