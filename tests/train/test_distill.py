@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nosa.config import NosaConfig
-from nosa.train.distill import attention_targets, fit_eviction_heads, row_weights
+from nosa.train.distill import attention_targets, balanced_bce, fit_eviction_heads, row_weights
 from nosa.train.loop import weighted_loss
 
 CFG = NosaConfig(block_size=4, compress_kernel=2, compress_stride=2, sink_blocks=1, window_blocks=2,
@@ -70,6 +70,20 @@ def test_fit_learns_which_values_are_attended():
     for h in range(hkv):  # the fitted head ranks tokens as the attention does
         top = score[:, h].topk(20).indices
         assert target[top, h].mean() > 0.9 * target[:, h].topk(20).values.mean()
+
+
+def test_balanced_bce_weighs_the_attended_tokens_like_all_tokens():
+    torch.manual_seed(2)
+    n, hkv = 50, 2
+    logit, target = torch.randn(n, hkv), torch.rand(n, hkv) ** 4
+    valid = torch.rand(n, hkv) > 0.2
+    want_num, want_den = 0.0, 0.0
+    for h in range(hkv):
+        t = target[valid[:, h], h]
+        weight = 1 + t * len(t) / t.sum()  # the attended tokens weigh as much as all tokens
+        bce = -(t * torch.log(torch.sigmoid(logit[valid[:, h], h])) + (1 - t) * torch.log(1 - torch.sigmoid(logit[valid[:, h], h])))
+        want_num, want_den = want_num + (bce * weight).sum(), want_den + weight.sum()
+    torch.testing.assert_close(balanced_bce(logit, target, valid), want_num / want_den)
 
 
 def test_fit_on_a_model_sets_a_and_keeps_outputs_finite():
