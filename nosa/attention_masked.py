@@ -1,7 +1,7 @@
 """Selected-block attention as masked dense attention: the short-context path of
 ``nosa.attention.attend_selected`` (training at 512-1024 tokens, short prefills).
 
-Same math as the gathered path (``nosa.attention._attend_selected``): row i attends to the tokens
+Same math as the gathered path (``nosa.attention_gathered._attend_selected``): row i attends to the tokens
 of its selected blocks at or before its position, token j's logit raised by cis_j. Here every row
 scores all keys up to its chunk's last position and a boolean mask (the selection expanded to
 tokens, and causality) removes the others, inside torch's fused SDPA kernel, forward and backward.

@@ -7,7 +7,7 @@ generate() use. A step is three parts that other code can sit between:
 2. resolve (``KVView.resolve``, nosa.kv): make the selected blocks readable and say where they are
    (a token-slot pool reads them in place; the offloading server diffs them against its device
    block cache and recalls the misses from host memory);
-3. attend (``nosa.attention.attend_gathered``): attention over those rows, returning (out, lse) so
+3. attend (``nosa.attention_math.attend_gathered``): attention over those rows, returning (out, lse) so
    that partial results over disjoint block sets merge exactly.
 ``decode_attend`` runs the three for a batch; ``NosaDecodeState.attend`` for one sequence.
 

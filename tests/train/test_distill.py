@@ -79,9 +79,9 @@ def test_balanced_bce_weighs_the_attended_tokens_like_all_tokens():
     valid = torch.rand(n, hkv) > 0.2
     want_num, want_den = 0.0, 0.0
     for h in range(hkv):
-        t = target[valid[:, h], h]
+        t, p = target[valid[:, h], h], torch.sigmoid(logit[valid[:, h], h])
         weight = 1 + t * len(t) / t.sum()  # the attended tokens weigh as much as all tokens
-        bce = -(t * torch.log(torch.sigmoid(logit[valid[:, h], h])) + (1 - t) * torch.log(1 - torch.sigmoid(logit[valid[:, h], h])))
+        bce = -(t * torch.log(p) + (1 - t) * torch.log(1 - p))
         want_num, want_den = want_num + (bce * weight).sum(), want_den + weight.sum()
     torch.testing.assert_close(balanced_bce(logit, target, valid), want_num / want_den)
 

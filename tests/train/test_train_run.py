@@ -17,8 +17,12 @@ SMOKE = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "train", 
 
 
 def _metrics(out_dir):
+    """step -> its logged values; rows logged at one step merge, as W&B merges them."""
+    rows = {}
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return {row["step"]: row for row in map(json.loads, f)}
+        for row in map(json.loads, f):
+            rows.setdefault(row["step"], {}).update(row)
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +49,8 @@ def test_finite_loss_and_checkpoints(first):
     assert sorted(rows) == [1, 2, 3]
     assert all(math.isfinite(r["train/loss"]) for r in rows.values())
     assert rows[1]["train/phase"] == 0 and rows[3]["train/phase"] == 1
+    # the converted model's eval, at the step the NOSA phase starts from
+    assert math.isfinite(rows[1]["converted/loss"]) and 0 <= rows[1]["converted/acc_token"] <= 1
     ckpts = sorted(os.listdir(os.path.join(cfg.out_dir, "checkpoints")))
     # step 1 ends the dense phase (kept), steps 2 and 3 are the newest two.
     assert ckpts == ["step-000001", "step-000002", "step-000003"]
