@@ -211,6 +211,14 @@ def prepare_synthetic(
     return sec.dir
 
 
+def loss_weights(labels: torch.Tensor, answers: torch.Tensor, answer_weight: float) -> torch.Tensor:
+    """The loss weight of predicting token i + 1 from position i: labels, answers [..., L] ->
+    [..., L - 1] float; 0 where the token carries no label, ``answer_weight`` for an answer token,
+    1 otherwise (``data.answer_weight``; 1 everywhere labelled gives the plain mean)."""
+    target, answer = torch.as_tensor(labels)[..., 1:], torch.as_tensor(answers)[..., 1:].float()
+    return (target != IGNORE).float() * (1 + (answer_weight - 1) * answer)
+
+
 def batch_at(
     rows, step: int, micro: int, grad_accum: int, micro_batch: int, rank: int, world: int, seed: int
 ) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from nosa.config import NosaConfig
 from nosa.eviction import MODULE_NAME
-from nosa.train.data import IGNORE
+from nosa.train.data import loss_weights
 from nosa.train.metrics import dense_probs, first_document
 
 
@@ -49,10 +49,9 @@ def attention_targets(q, k, cfg: NosaConfig, scale: float, weight: torch.Tensor 
 
 
 def row_weights(labels: torch.Tensor, answers: torch.Tensor, answer_weight: float) -> torch.Tensor:
-    """The loss weight of each row's next-token prediction (as train.loop.weighted_loss weighs it):
-    labels, answers [L] -> [L] float, the last row 0 (it predicts nothing)."""
-    target, answer = torch.as_tensor(labels)[1:], torch.as_tensor(answers)[1:].float()
-    weight = (target != IGNORE).float() * (1 + (answer_weight - 1) * answer)
+    """The loss weight of each row's next-token prediction (``loss_weights``, as the training loss
+    weighs it): labels, answers [L] -> [L] float, the last row 0 (it predicts nothing)."""
+    weight = loss_weights(labels, answers, answer_weight)
     return torch.cat([weight, weight.new_zeros(1)])
 
 
@@ -100,17 +99,17 @@ def fit_head(head, v, target, valid, steps: int, lr: float) -> tuple[float, floa
     v = v.to(head.proj.weight)
     target, valid = target.to(v), valid.to(v.device)
     opt = torch.optim.Adam(head.proj.parameters(), lr=lr)
-    losses = []
+    first = None
     for _ in range(steps):
-        logit = head.proj(v.flatten(-2))  # [N, Hkv]
-        loss = balanced_bce(logit, target, valid)
+        loss = balanced_bce(head.proj(v.flatten(-2)), target, valid)  # logits [N, Hkv]
+        if first is None:
+            first = float(loss.detach())
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss.detach()))
     with torch.no_grad():
         final = float(balanced_bce(head.proj(v.flatten(-2)), target, valid))
-    return losses[0], final
+    return first, final
 
 
 def balanced_bce(logit, target, valid):
