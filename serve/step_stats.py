@@ -8,7 +8,7 @@ dropped items, recalled bytes) and the recall scheduler's (recall seconds for de
 stall seconds: time a layer waited for its own blocks), plus resident slots and the admission
 controller's state and decisions. The newest ``keep`` (256) records go into the stats file
 ($NOSA_SERVE_STATS_FILE, key ``timeline``); with $NOSA_SERVE_WANDB set (offline, online;
-disabled: off) every record is logged to W&B as the training loop does (nosa.train.wandb_log:
+disabled: off) every record is logged to W&B as the training loop does (nosa.wandb_log:
 offline by default, into $NOSA_SERVE_WANDB_DIR, also a metrics.jsonl there).
 
 ``end`` also feeds admission: the step's compute time (wall minus stalls), the link bandwidth
@@ -109,7 +109,7 @@ def _wandb_logger():
         return None
     if mode not in ("offline", "online", "1", "on"):
         raise ValueError(f"nosa backend: ${ENV_WANDB}={mode!r} must be offline, online or disabled")
-    from nosa.train.wandb_log import Logger
+    from nosa.wandb_log import Logger
 
     out = os.environ.get(ENV_WANDB_DIR) or os.path.join(os.getcwd(), "runs", "serve")
     return Logger(out, {"source": "nosa serve offloading"}, "offline" if mode in ("1", "on") else mode,

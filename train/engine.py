@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 
 import torch
+
+from nosa.net import free_port
 
 
 def init_distributed() -> tuple[int, int, str]:
@@ -17,7 +18,7 @@ def init_distributed() -> tuple[int, int, str]:
     becomes a one-process group (DeepSpeed otherwise looks for MPI)."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -29,12 +30,6 @@ def init_distributed() -> tuple[int, int, str]:
     if cuda:
         torch.cuda.set_device(device)
     return rank, world, device
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ds_config(path: str, micro_batch: int, grad_accum: int, grad_clip: float) -> dict:

@@ -20,7 +20,7 @@ from nosa.train.engine import ds_config, init_distributed, initialize, zero_stag
 from nosa.train.metrics import evaluate, selection_stats
 from nosa.train.model import build_model, eviction_scales, is_nosa, load_model, param_groups, to_nosa
 from nosa.train.tokenizer import load_tokenizer
-from nosa.train.wandb_log import Logger
+from nosa.wandb_log import Logger
 
 
 def run(cfg: TrainConfig) -> dict:

@@ -3,18 +3,13 @@
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
+from nosa.net import free_port
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SMOKE = os.path.join(REPO, "configs", "train", "smoke.yaml")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_ranks_zero2_stay_identical(tmp_path):
@@ -30,7 +25,7 @@ def test_two_ranks_zero2_stay_identical(tmp_path):
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         os.path.join(REPO, "tests", "train", "two_rank_run.py"),
         str(tmp_path),
         SMOKE,
