@@ -10,13 +10,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from nosa.train import checkpoint, synthetic
 from nosa.train.config import TrainConfig
-from nosa.train.data import IGNORE, batch_at, build_rows, loss_weights, offline_env, prepare_synthetic
+from nosa.train.data import batch_at, build_rows, offline_env, prepare_synthetic
 from nosa.train.distill import fit_eviction_heads
 from nosa.train.engine import ds_config, init_distributed, initialize, zero_stage
+from nosa.train.loss import weighted_loss
 from nosa.train.metrics import evaluate, selection_stats
 from nosa.train.model import build_model, eviction_scales, is_nosa, load_model, param_groups, to_nosa
 from nosa.train.tokenizer import load_tokenizer
@@ -128,16 +128,6 @@ def run(cfg: TrainConfig) -> dict:
         )
     logger.finish()
     return {"metrics": last, "model": model}
-
-
-def weighted_loss(logits, labels, answers, answer_weight: float = 1.0):
-    """Next-token cross-entropy over the labelled tokens, answer tokens weighing ``answer_weight``
-    (1: the plain mean, what transformers' ``labels=`` loss computes).
-    logits [b, L, V]; labels [b, L] (-100: no loss); answers [b, L] bool."""
-    ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE,
-                         reduction="none")
-    weight = loss_weights(labels, answers, answer_weight)
-    return (ce * weight.flatten()).sum() / weight.sum().clamp(min=1)
 
 
 def _train_phase(
