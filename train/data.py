@@ -189,7 +189,8 @@ def prepare_synthetic(
         else:
             sample = synthetic.make_split(list(synthetic.TASKS), 200, 4096, seed=sec.seed + 99)
             tok = train_tokenizer((ex["text"] for ex in sample), vocab_size, synthetic.RECALL_VALUES)
-        # Leave room for nothing else: rows hold one example of at most seq_len tokens.
+        # Examples as long as a row (less the BOS): one example per row, so its facts sit where
+        # head and tail put them relative to the row's sink blocks and local window.
         synthetic.write_dataset(
             sec.dir,
             sec.tasks,
