@@ -63,7 +63,10 @@ def test_finite_loss_and_checkpoints(first):
         assert "nosa" not in json.load(f)
     for name in ("nosa_train.json", "trainer_state.json", "tokenizer.json", "model.safetensors"):
         assert os.path.isfile(os.path.join(final, name)), name
-    assert checkpoint.read_state(final)["step"] == 3
+    assert checkpoint.read_state(final) == {"step": 3, "tokens": 3 * 512, "phase": "nosa"}  # smoke: 2 x 256 tokens
+    assert checkpoint.read_run_config(final) == cfg.to_dict()
+    with pytest.raises(ValueError, match="no trainer_state.json"):
+        checkpoint.read_state(cfg.out_dir)
 
 
 def test_checkpoint_reloads_identical_logits(first):
