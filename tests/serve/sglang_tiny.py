@@ -12,6 +12,7 @@ import os
 import torch
 
 VOCAB = 320  # 256 bytes + specials, padded
+HIDDEN = 128
 
 
 def cpu_engine_missing() -> str | None:
@@ -55,7 +56,7 @@ def make_checkpoint(path: str, nosa_config=None, seed: int = 0, evict_scale: flo
     from nosa.tiny import set_eviction_heads, tiny_llama
 
     # larger weights (init_std) so greedy ties are unlikely
-    model = tiny_llama(layers=2, hidden=128, heads=4, kv_heads=2, vocab=VOCAB, seed=seed, intermediate=256,
+    model = tiny_llama(layers=2, hidden=HIDDEN, heads=4, kv_heads=2, vocab=VOCAB, seed=seed, intermediate=256,
                        max_positions=4096, rope_theta=10000.0, bos_token_id=256, eos_token_id=257,
                        tie_word_embeddings=False, init_std=0.08)
     if nosa_config is not None:
