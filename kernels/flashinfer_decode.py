@@ -19,7 +19,7 @@ KV heads are folded into the batch:
 A custom JIT attention variant (VARIANT_DECL) applies what FlashInfer has no built-in for: the
 logit scale * q.k + cis_j (cis read through the page table) and the fill mask (token t of a page is
 valid iff t < its fill). FlashInfer returns its lse in log2 units; `unfold` converts to the natural
-log used everywhere else (nosa.attention_math.merge_attention), -inf and out 0 for a row with no valid
+log used everywhere else (nosa.attention.math.merge_attention), -inf and out 0 for a row with no valid
 token. Supported: bf16/fp16, D == Dv, G in FOLDABLE_GROUPS (FlashInfer's decode kernel instances).
 
 flashinfer is imported only inside the CUDA path (`require_flashinfer`); everything else here is

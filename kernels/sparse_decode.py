@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from nosa.attention import gather_heads, selected_tokens
+from nosa.attention.math import gather_heads, selected_tokens
 
 
 def sparse_decode_reference(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale,

@@ -1,12 +1,12 @@
 """NOSA block-sparse prefill attention, forward and backward: Triton kernels + torch reference.
 
-Layout (one sequence, token-major as nosa.attention): q [n, Hq, D]; k [L, Hkv, D], v [L, Hkv, Dv];
+Layout (one sequence, token-major as nosa.attention.math): q [n, Hq, D]; k [L, Hkv, D], v [L, Hkv, Dv];
 cis [L, Hkv]; sel [n, Hkv, K] selected block ids of each query row (-1 = none, as
 nosa.select.select_blocks returns); positions [n] (token position of each row). G = Hq // Hkv.
 
 out[i, h] = softmax_j(scale * q[i, h] . k_j + cis_j) v_j over the tokens j <= positions[i] of the
 blocks sel[i, h // G] (causal inside the current block); lse[i, h] = log sum_j exp(logit_j) (fp32;
--inf and out = 0 for a row with nothing to attend). This is nosa.attention.nosa_prefill's
+-inf and out = 0 for a row with nothing to attend). This is nosa.attention.prefill.attend_selected's
 selected-block attention (the rows past dense_len); tests/test_kernels_prefill.py checks both.
 
 Kernels (InfLLM-v2 style tiling): one program per (tile of TQ consecutive query rows, KV head); the
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from nosa.attention import selected_tokens
+from nosa.attention.math import selected_tokens
 from nosa.kernels.slot_decode import interpreting
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)

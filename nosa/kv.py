@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nosa.attention import selected_tokens
+from nosa.attention.math import selected_tokens
 
 
 @dataclass
