@@ -117,12 +117,6 @@ def from_pretrained(path: str, config: NosaConfig | None = None, **kwargs):
     return model
 
 
-def reset_decode_state(model) -> None:
-    """Drop every per-sequence decode state (they are also rebuilt automatically when stale)."""
-    for attn in _attention_modules(model):
-        attn.__dict__.pop("_nosa_states", None)
-
-
 def nosa_attention_forward(
     module,
     query: torch.Tensor,
