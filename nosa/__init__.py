@@ -9,7 +9,8 @@ import importlib.util as _importlib_util
 import os as _os
 import sys as _sys
 
-from nosa.attention import dense_attention, nosa_prefill, nosa_prefill_varlen
+from nosa.attention.math import dense_attention
+from nosa.attention.prefill import nosa_prefill, nosa_prefill_varlen
 from nosa.config import NosaConfig
 from nosa.decode import NosaDecodeState
 from nosa.eviction import EvictionHead, block_eviction_scores

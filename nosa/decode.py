@@ -7,7 +7,7 @@ generate() use. A step is three parts that other code can sit between:
 2. resolve (``KVView.resolve``, nosa.kv): make the selected blocks readable and say where they are
    (a token-slot pool reads them in place; the offloading server diffs them against its device
    block cache and recalls the misses from host memory);
-3. attend (``nosa.attention_math.attend_gathered``): attention over those rows, returning (out, lse) so
+3. attend (``nosa.attention.math.attend_gathered``): attention over those rows, returning (out, lse) so
    that partial results over disjoint block sets merge exactly.
 ``decode_attend`` runs the three for a batch; ``NosaDecodeState.attend`` for one sequence.
 
@@ -22,12 +22,14 @@ from collections.abc import Sequence
 
 import torch
 
-from nosa.attention import NEG_INF, attend_gathered
+from nosa.attention.gathered import chunk_end, default_row_chunk
+from nosa.attention.math import NEG_INF, attend_gathered, dense_attention
+from nosa.attention.prefill import attend_selected
 from nosa.compress import compress_windows, pool_to_blocks
 from nosa.config import NosaConfig
 from nosa.eviction import block_means
 from nosa.kv import ContiguousKV
-from nosa.select import block_scores_from_logits, select_blocks, selection_change, static_selection
+from nosa.select import block_scores_from_logits, query_block_scores, select_blocks, selection_change, static_selection
 
 
 class NosaDecodeState:
@@ -130,15 +132,12 @@ class NosaDecodeState:
         selected from them, and each chunk of ``row_chunk`` rows gathers the union of its rows'
         blocks (``kv.gather_blocks``), never the whole context: the offloading server's prefill.
         """
-        from nosa.attention import attend_selected, dense_attention
-        from nosa.select import query_block_scores
-
         cfg = self.cfg
         self.append(kv, seq)
         n, length = q.shape[0], self.length
         first, num_blocks = length - n, cfg.num_blocks(length)
         if row_chunk is None:
-            row_chunk = max(1, round(64 / cfg.block_size)) * cfg.block_size
+            row_chunk = default_row_chunk(cfg)
         positions = torch.arange(first, length, device=q.device)
         with torch.no_grad():
             ck = self.compressed_keys.transpose(0, 1)  # [C, Hkv, D]
@@ -154,8 +153,8 @@ class NosaDecodeState:
             k, v, _ = kv.gather_blocks(seq, torch.arange(cfg.num_blocks(context), device=q.device), cfg.block_size)
             outs.append(dense_attention(q[:dense_rows], k[:context], v[:context], scale))
         start = dense_rows
-        while start < n:  # chunks aligned to multiples of row_chunk in absolute position
-            stop = min(n, (first + start) // row_chunk * row_chunk + row_chunk - first)
+        while start < n:
+            stop = min(n, chunk_end(first + start, row_chunk) - first)
             rows_sel = sel[start:stop]
             union = torch.unique(rows_sel[rows_sel >= 0])  # ascending block ids, every KV head
             k, v, cis = kv.gather_blocks(seq, union, cfg.block_size)

@@ -6,7 +6,7 @@ padding reaches us) and stores the NosaConfig in ``model.config.nosa``. ``save_p
 writes the eviction heads and the config; ``nosa.from_pretrained`` reads both back.
 
 Inside the attention function, sequences are handled one at a time in the token-major layout of
-nosa.attention: prefill/training rows go through ``nosa_prefill`` (the spec), single-token decode
+nosa.attention.math: prefill/training rows go through ``nosa_prefill`` (the spec), single-token decode
 rows go through ``NosaDecodeState`` kept per (layer, batch row) and checked against the cache on
 every step, so a stale state is rebuilt rather than trusted.
 
@@ -25,7 +25,7 @@ import contextlib
 
 import torch
 
-from nosa.attention import nosa_prefill, nosa_prefill_varlen
+from nosa.attention.prefill import nosa_prefill, nosa_prefill_varlen
 from nosa.config import CONFIG_KEY, NosaConfig
 from nosa.decode import NosaDecodeState
 from nosa.eviction import MODULE_NAME, EvictionHead, read_eviction_tensors
@@ -115,12 +115,6 @@ def from_pretrained(path: str, config: NosaConfig | None = None, **kwargs):
     if stored is not None:
         _load_eviction_heads(model, path)
     return model
-
-
-def reset_decode_state(model) -> None:
-    """Drop every per-sequence decode state (they are also rebuilt automatically when stale)."""
-    for attn in _attention_modules(model):
-        attn.__dict__.pop("_nosa_states", None)
 
 
 def nosa_attention_forward(

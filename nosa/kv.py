@@ -2,7 +2,7 @@
 
 ``NosaDecodeState`` keeps selection state only (compressed keys, static block keys, the previous
 selection). Everything per token (K, V and the eviction score ``cis``) stays in a pool that the
-caller owns, and the decode path reaches it through one small object, a KV view, with two duties:
+caller owns, and the decode path reaches it through one small object, a KV view, with three duties:
 
 - ``keys(i, lo, hi)`` / ``cis(i, lo, hi)``: tokens ``[lo, hi)`` of sequence ``i`` ([n, Hkv, D] and
   [n, Hkv] float32), read when a state appends tokens (the newest compressed window, completed
@@ -16,8 +16,8 @@ caller owns, and the decode path reaches it through one small object, a KV view,
 
 The views here read pools that attention can index directly: ``ContiguousKV`` (one sequence, the
 HF cache) and ``PagedKV`` (SGLang's token-slot pool behind ``req_to_token``). The offloading
-server's view (``nosa.serve.offload``) resolves by diffing against the blocks resident in a
-device block cache and recalling the misses from host memory. Shapes: R sequences, Hkv KV heads,
+server's view, ``nosa.serve.offload.kv.OffloadKV``, resolves by diffing against the blocks resident
+in a device block cache and recalling the misses from host memory. Shapes: R sequences, Hkv KV heads,
 D head dim, B block size, W blocks per (sequence, head), -1 = no block.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nosa.attention import selected_tokens
+from nosa.attention.math import selected_tokens
 
 
 @dataclass

@@ -102,7 +102,7 @@ def measure(model, examples, cfg, sparse: bool) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from nosa.attention import nosa_prefill
+    from nosa.attention.prefill import nosa_prefill
     from nosa.eviction import MODULE_NAME
     from nosa.hf import capture_attention_inputs
     from nosa.select import blocks_entering

@@ -34,7 +34,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from nosa.attention import nosa_prefill
+from nosa.attention.prefill import nosa_prefill
 from nosa.decode import NosaDecodeState, decode_attend
 from nosa.kv import PagedKV
 from nosa.serve.checkpoint import (

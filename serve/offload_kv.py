@@ -87,7 +87,7 @@ def predicted_blocks(states, lengths: list[int], cfg) -> torch.Tensor:
     (states: its NosaDecodeState in the layer, or None): the static part of the new token's
     selection (nosa.select.static_selection: by the locality theorem it stays selected) first, then
     the previous step's selection; every block for requests within dense_len. -1 padded."""
-    from nosa.attention import NEG_INF
+    from nosa.attention.math import NEG_INF
     from nosa.select import static_selection
 
     known = [s for s in states if s is not None]
