@@ -15,9 +15,8 @@ import types
 import pytest
 
 pytest.importorskip("sglang")
-import sglang_tiny as tiny  # noqa: E402  (tests/serve is on sys.path: rootdir-relative import mode)
-
 from nosa.serve import validate  # noqa: E402
+from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
 
 _MISSING = tiny.cpu_engine_missing()
 CONTEXT_LEN = 512
@@ -27,7 +26,8 @@ PROBE = tiny.prompt_ids(40, 3)
 SP = {"max_new_tokens": 4}
 
 # (name, path, body, what the message must say): each of these crashed the scheduler of SGLang
-# 0.5.23 (and every process with it) or was inconsistent with its neighbours (issue 10).
+# 0.5.23 (and every process with it) or was answered unlike a close variant of the same mistake; each
+# must now get HTTP 400 with a message saying what is wrong.
 CRASHERS = [
     ("batch with an empty row", "/generate", {"input_ids": [[]], "sampling_params": SP}, "no tokens"),
     ("batch: good row, empty row", "/generate", {"input_ids": [[1, 2], []], "sampling_params": SP}, "no tokens"),
@@ -47,7 +47,7 @@ CRASHERS = [
 def server(tmp_path_factory):
     if _MISSING:
         pytest.skip(_MISSING)
-    from nosa.serve.process import ServerProcess
+    from nosa.serve.tools.process import ServerProcess
 
     root = tmp_path_factory.mktemp("validation")
     ckpt = tiny.make_checkpoint(str(root / "ckpt"), None, seed=2)
