@@ -31,16 +31,16 @@ _OFFLOAD_HOOKS = []
 
 
 def _install_offload_hooks() -> None:
-    """With $NOSA_OFFLOAD=1: the host KV pool hooks (nosa.serve.host_pool), once per process."""
-    from nosa.serve.offload_config import OffloadSettings, offload_enabled
+    """With $NOSA_OFFLOAD=1: the host KV pool hooks (nosa.serve.offload.host_pool), once per process."""
+    from nosa.serve.offload.settings import OffloadSettings, offload_enabled
 
     if offload_enabled() and not _OFFLOAD_HOOKS:
-        from nosa.serve.host_pool import register_hooks
+        from nosa.serve.offload.host_pool import register_hooks
 
         settings = OffloadSettings.from_env()
         register_hooks(settings)
-        if settings.admission:  # new requests wait while admission says so (nosa.serve.admission)
-            from nosa.serve.admission import register_hooks as register_admission_hooks
+        if settings.admission:  # new requests wait while admission says so (nosa.serve.offload.admission)
+            from nosa.serve.offload.admission import register_hooks as register_admission_hooks
 
             register_admission_hooks()
         _OFFLOAD_HOOKS.append(True)

@@ -138,7 +138,7 @@ def _check_request(self, obj, input_ids) -> None:
     validate_logprobs(obj, prompt_tokens, config.vocab_size)
 
 
-def _around_validate(original, self, obj, input_ids):
+def around_validate(original, self, obj, input_ids):
     """AROUND hook on TokenizerManager._validate_one_request(self, obj, input_ids): our checks,
     then SGLang's; messages leave without server-side paths."""
     _check_request(self, obj, input_ids)
@@ -151,7 +151,7 @@ def _around_validate(original, self, obj, input_ids):
         raise ValueError(clean) from None
 
 
-def _around_normalize(original, self):
+def around_normalize(original, self):
     """AROUND hook on GenerateReqInput.normalize_batch_and_arguments(self): the shape of
     input_embeds before SGLang indexes it (its ValueError is a 400 there too)."""
     if self.input_embeds is not None:
@@ -159,13 +159,13 @@ def _around_normalize(original, self):
     return original(self)
 
 
-def _around_str(original, self) -> str:
+def around_str(original, self) -> str:
     """AROUND hook on RequestValidationError.__str__: FastAPI appends the endpoint's source file
     ('File "/.../http_server.py", line 928'), which SGLang returns in the 400 body."""
     return scrub_paths(original(self))
 
 
-def _after_init(result, self, *args, **kwargs):
+def after_init(result, self, *args, **kwargs):
     check_installed()
     return None
 
@@ -177,9 +177,9 @@ def check_installed() -> None:
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     for target, owner, attr, hook in (
-        (VALIDATE_TARGET, TokenizerManager, "_validate_one_request", _around_validate),
-        (NORMALIZE_TARGET, GenerateReqInput, "normalize_batch_and_arguments", _around_normalize),
-        (STR_TARGET, RequestValidationError, "__str__", _around_str),
+        (VALIDATE_TARGET, TokenizerManager, "_validate_one_request", around_validate),
+        (NORMALIZE_TARGET, GenerateReqInput, "normalize_batch_and_arguments", around_normalize),
+        (STR_TARGET, RequestValidationError, "__str__", around_str),
     ):
         if not _wraps(owner.__dict__.get(attr), hook):
             raise RuntimeError(
@@ -204,7 +204,7 @@ def install() -> None:
     Exits if a target does not exist in this SGLang: a plugin exception would only be logged."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if any(hook is _around_validate for _, hook, _ in HookRegistry._hooks.get(VALIDATE_TARGET, ())):
+    if any(hook is around_validate for _, hook, _ in HookRegistry._hooks.get(VALIDATE_TARGET, ())):
         return  # register() ran before in this process
     for target in (VALIDATE_TARGET, NORMALIZE_TARGET, INIT_TARGET, STR_TARGET):
         module_class, attr = target.rsplit(".", 1)
@@ -214,7 +214,7 @@ def install() -> None:
         except (ImportError, AttributeError) as err:
             raise SystemExit(f"nosa plugin: cannot hook {target} ({err}); this SGLang is not the "
                              "pinned 0.5.23. SGLANG_PLUGINS=none disables the nosa plugin.") from err
-    HookRegistry.register(VALIDATE_TARGET, _around_validate, HookType.AROUND)
-    HookRegistry.register(NORMALIZE_TARGET, _around_normalize, HookType.AROUND)
-    HookRegistry.register(INIT_TARGET, _after_init, HookType.AFTER)
-    HookRegistry.register(STR_TARGET, _around_str, HookType.AROUND)
+    HookRegistry.register(VALIDATE_TARGET, around_validate, HookType.AROUND)
+    HookRegistry.register(NORMALIZE_TARGET, around_normalize, HookType.AROUND)
+    HookRegistry.register(INIT_TARGET, after_init, HookType.AFTER)
+    HookRegistry.register(STR_TARGET, around_str, HookType.AROUND)

@@ -6,11 +6,11 @@ import json
 import os
 
 import pytest
-import sglang_tiny as tiny  # tests/serve is on sys.path (rootdir-relative import mode)
 import torch
 
 import nosa
 from nosa.serve.checkpoint import load_eviction_heads, load_nosa_config
+from nosa.serve.tools import tiny_checkpoint as tiny
 
 CFG = nosa.NosaConfig.tiny(dense_len=64)
 

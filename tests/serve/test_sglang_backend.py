@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 pytest.importorskip("sglang")
-import sglang_tiny as tiny  # noqa: E402  (tests/serve is on sys.path: rootdir-relative import mode)
+from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
 
 _MISSING = tiny.cpu_engine_missing()
 if _MISSING:
@@ -32,7 +32,7 @@ if _MISSING:
 import torch  # noqa: E402
 
 import nosa  # noqa: E402
-from nosa.serve.process import ServerProcess  # noqa: E402
+from nosa.serve.tools.process import ServerProcess  # noqa: E402
 
 NOSA_CFG = nosa.NosaConfig.tiny(dense_len=64)  # budget 8 blocks x 16 tokens = 128 tokens
 CONTEXT_LEN = 1024

@@ -15,9 +15,8 @@ import types
 import pytest
 
 pytest.importorskip("sglang")
-import sglang_tiny as tiny  # noqa: E402  (tests/serve is on sys.path: rootdir-relative import mode)
-
 from nosa.serve import validate  # noqa: E402
+from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
 
 _MISSING = tiny.cpu_engine_missing()
 CONTEXT_LEN = 512
@@ -28,7 +27,8 @@ PROBE = tiny.prompt_ids(40, 3)
 SP = {"max_new_tokens": 4}
 
 # (name, path, body, what the message must say): each of these crashed the scheduler of SGLang
-# 0.5.23 (and every process with it) or was inconsistent with its neighbours (issue 10).
+# 0.5.23 (and every process with it) or was answered unlike a close variant of the same mistake; each
+# must now get HTTP 400 with a message saying what is wrong.
 CRASHERS = [
     ("batch with an empty row", "/generate", {"input_ids": [[]], "sampling_params": SP}, "no tokens"),
     ("batch: good row, empty row", "/generate", {"input_ids": [[1, 2], []], "sampling_params": SP}, "no tokens"),
@@ -88,7 +88,7 @@ CRASHERS = [
 def server(tmp_path_factory):
     if _MISSING:
         pytest.skip(_MISSING)
-    from nosa.serve.process import ServerProcess
+    from nosa.serve.tools.process import ServerProcess
 
     root = tmp_path_factory.mktemp("validation")
     ckpt = tiny.make_checkpoint(str(root / "ckpt"), None, seed=2)
@@ -250,7 +250,7 @@ def test_hooks_apply_and_the_start_up_check_sees_them():
 
     validate.install()
     validate.install()  # idempotent: one hook per target
-    assert sum(h is validate._around_validate for _, h, _ in HookRegistry._hooks[validate.VALIDATE_TARGET]) == 1
+    assert sum(h is validate.around_validate for _, h, _ in HookRegistry._hooks[validate.VALIDATE_TARGET]) == 1
     HookRegistry.apply_hooks()
     validate.check_installed()
     fake = types.SimpleNamespace(model_config=types.SimpleNamespace(vocab_size=10))

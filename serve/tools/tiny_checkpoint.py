@@ -1,7 +1,10 @@
-"""Tiny Llama checkpoints (random weights, byte-level tokenizer) for the serving tests.
+"""Tiny Llama checkpoints (random weights, byte-level tokenizer) for the serving tests and benchmarks.
 
-Built locally, no downloads: ``make_checkpoint(dir, nosa=...)`` writes config.json, safetensors and
-a tokenizer that SGLang and transformers both load.
+Built locally, no downloads: ``make_checkpoint(dir, nosa_config)`` writes config.json, safetensors
+and a tokenizer (``make_tokenizer``) that SGLang and transformers both load. With them: random
+prompts (``prompt_ids``), the HF model's greedy tokens that a server must reproduce
+(``hf_greedy``) and whether SGLang's CPU engine can run here (``cpu_engine_missing``).
+tests/serve and scripts/bench_serve.py, scripts/soak.py import this module.
 """
 
 from __future__ import annotations
