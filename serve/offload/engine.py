@@ -37,6 +37,7 @@ class OffloadEngine:
         self.num_layers = len(cache.blocks)
         self.stats = StepStats(cache, scheduler)
         self._blocks: dict[int, int] = {}  # group -> context blocks of the running decode step (admission)
+        self.peak_slots = 0  # the most resident block items (layers x KV heads x slots) after a decode step
 
     @classmethod
     def start(cls, model_runner, cfg, num_layers: int, num_kv_heads: int, head_dim: int) -> "OffloadEngine":
@@ -102,6 +103,7 @@ class OffloadEngine:
         """After a decode step's last layer: its record; admission (if on) learns from it and lends
         the spare slot columns for the next step."""
         record = self.stats.end()
+        self.peak_slots = max(self.peak_slots, record.resident_slots)
         if self.admission is not None:
             self._feed_admission(record)
         self.stats.log(record)
@@ -127,7 +129,7 @@ class OffloadEngine:
     def counters(self) -> dict:
         """The engine's counters for the stats file: slots in use, the cache's, the scheduler's and
         admission's counters, and the step timeline."""
-        out = {"device_slots_in_use": self.cache.resident_slots(),
+        out = {"device_slots_in_use": self.cache.resident_slots(), "peak_device_slots": self.peak_slots,
                "offload": {k: list(v) for k, v in self.cache.stats.items()}, "timeline": self.stats.snapshot()}
         if self.scheduler is not None:
             out["scheduler"] = {k: list(v) for k, v in self.scheduler.stats.items()}
