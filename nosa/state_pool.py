@@ -76,6 +76,7 @@ class DecodeStatePool:
         self._pages: dict[int, list[int]] = {}  # row -> its pages, in block order
         self._released: list[int] = []  # pages of rows that left, free at the next ``recycle``
         self._lock = threading.Lock()  # ``release`` may come from another thread than the forward
+        self.frozen = False  # CUDA graphs captured over the buffers: they must not move
 
     def _alloc_pages(self, num_pages: int) -> None:
         self.ck = torch.zeros(self.num_layers, num_pages, self.hkv, self.per_page, self.head_dim, device=self.device)
@@ -138,9 +139,13 @@ class DecodeStatePool:
     def _grow(self, more: int) -> None:
         """More pages (sequences sharing a prefix hold their own pages for it, so the pages can
         outnumber the tokens of the KV pool). The buffers move: a graph captured over the old ones
-        is stale, so a caller that captures sizes the pool for the worst case (``pages_for``)."""
+        is stale: a pool under CUDA graphs is ``frozen`` and raises instead."""
         old_ck, old_static = self.ck, self.static
         size = old_ck.shape[1]
+        if self.frozen:
+            raise RuntimeError(f"nosa decode state pool: its {size} pages are in use and CUDA graphs were captured "
+                               "over them (growing would move them); run with --disable-cuda-graph, or with fewer "
+                               "requests sharing long prefixes at once")
         new_size = max(2 * size, size + more)
         logger.warning("nosa decode state pool: %d pages are not enough, growing to %d (%.1f MiB)", size, new_size,
                        self.nbytes * (new_size / size) / 2**20)

@@ -88,6 +88,8 @@ class DecodeStep:
         reads the longest context's spans from buffers that never move."""
         self.buffers = DecodeBuffers(max_bs, self.buffers.device)
         self.graphs = True
+        # a CUDA graph holds the pool's addresses; SGLang's CPU graph runner recompiles if it grows
+        self.pool.frozen = torch.device(self.buffers.device).type == "cuda"
 
     def static_spans(self) -> DecodeSpans:
         return DecodeSpans(self.pool.max_windows, self.pool.max_blocks, read_width(self.cfg), True)

@@ -54,7 +54,7 @@ class _HostPool:
         self.page_size, self.head_num = page_size, k[0].shape[1]
 
     def items(self, layer: int):
-        return self.k_buffer[layer].flatten(0, 1), self.v_buffer[layer].flatten(0, 1), self.cis_buffer[layer].flatten(0, 1)
+        return tuple(t[layer].flatten(0, 1) for t in (self.k_buffer, self.v_buffer, self.cis_buffer))
 
     def token_rows(self, loc: torch.Tensor) -> torch.Tensor:
         from nosa.serve.offload.kv import token_rows
