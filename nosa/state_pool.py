@@ -210,6 +210,16 @@ class DecodeStatePool:
         page = table[rows, torch.where(closes, lengths // b - 1, spare)]
         static[page, :, 1] = tokens.sum(dim=1) / torch.full((), float(b), device=rows.device)
 
+    def record(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor, k_new: torch.Tensor,
+               cis_new: torch.Tensor) -> None:
+        """``advance`` for a step whose new tokens complete no window and no block (the caller
+        knows it on the host): only the rings take them."""
+        last = lengths - 1
+        if self.key_tails:
+            tail_k = self.tail_k[layer]
+            tail_k[rows, last % self.cfg.compress_kernel] = k_new.to(tail_k.dtype)
+        self.tail_cis[layer][rows, last % self.tail_len] = cis_new.float()
+
     def select(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor, scale: float,
                windows: int, blocks: int) -> torch.Tensor:
         """Selections [R, Hkv, K] of the newest tokens (after ``advance``) for queries q [R, Hq, D],

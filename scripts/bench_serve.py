@@ -1,6 +1,8 @@
 """Decode throughput of SGLang's "nosa" backend vs "torch_native" on the same tiny model.
 
     .venv/bin/python scripts/bench_serve.py [--quick] [--contexts 4096 8192 32768 65536] [--out results/serve.json]
+    .venv/bin/python scripts/bench_serve.py --backends torch_native nosa nosa+compile --contexts 4096 32768
+    .venv/bin/python scripts/bench_serve.py --checkpoint runs/tiny/nosa --backends nosa nosa+offload --contexts 2048
 
 Builds a tiny random Llama (2 layers, hidden 256, GQA 8/2; a dense checkpoint, so the backend uses
 the released NosaConfig defaults: 64 blocks of 64 tokens, dense_len 4096), then for each backend
@@ -8,7 +10,10 @@ starts one server (stopped before the next starts: an idle server keeps a core b
 context length, sends ``--batch`` concurrent greedy requests with streaming (see ``measure``: the
 decode step time is the median interval between streamed tokens while the whole batch decodes, so
 prefill and request handling are excluded). Contexts above the model's dense_len (4096) are where
-NOSA's selection applies. Not a test: nothing is asserted.
+NOSA's selection applies. ``--backends`` picks variants (VARIANTS: eager or under SGLang's CPU
+graph runner, offloading off or on); ``--checkpoint`` serves another checkpoint (its NosaConfig).
+The JSON's ``ratios`` compare the variants per context and each variant's longest context with its
+shortest. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -89,6 +94,51 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
             "decode_intervals": len(per_token), "prefill_s": round(all_decoding, 2)}
 
 
+VARIANTS = {
+    "torch_native": "SGLang's torch_native backend",
+    "nosa": "the nosa backend, eager",
+    "nosa+compile": "the nosa backend under SGLang's CPU graph runner (--enable-torch-compile, one graph: the batch)",
+    "nosa+offload": "the nosa backend with offloading on (NOSA_OFFLOAD=1, page size = block size)",
+    "nosa+offload+compile": "offloading on, under the CPU graph runner",
+}
+
+
+def server_setup(variant: str, flags: list[str], cfg, batch: int, host_tokens: int, threads: int | None):
+    """(server arguments, environment) of a variant of VARIANTS."""
+    backend = "torch_native" if variant == "torch_native" else "nosa"
+    server_args, env = ["--attention-backend", backend, *flags], {}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if "offload" in variant:
+        server_args += ["--page-size", str(cfg.block_size)]
+        env.update(NOSA_OFFLOAD="1", NOSA_HOST_KV_TOKENS=str(host_tokens),
+                   NOSA_DEVICE_KV_TOKENS=str(batch * cfg.topk_blocks * cfg.block_size))
+    if "compile" in variant:
+        server_args += ["--enable-torch-compile", "--cuda-graph-bs-decode", str(batch)]
+        import sgl_kernel
+
+        if getattr(sgl_kernel, "IS_NOSA_STANDIN", False):  # this checkout's stand-in declares the graph ops
+            standin = os.path.join(ROOT, "serve", "tools", "sgl_kernel_standin")
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (standin, os.environ.get("PYTHONPATH")) if p)
+    return server_args, env
+
+
+def ratios(results: list[dict], contexts: list[int]) -> dict:
+    """Per context, ms-per-step ratios of the variants measured side by side (> 1: the first is slower)."""
+    out = {}
+    pairs = {"torch_native_over_nosa": ("torch_native", "nosa"), "nosa_over_nosa_compile": ("nosa", "nosa+compile"),
+             "offload_over_nosa": ("nosa+offload", "nosa"),
+             "offload_over_offload_compile": ("nosa+offload", "nosa+offload+compile")}
+    for context in contexts:
+        by = {r["backend"]: r["ms_per_decode_step"] for r in results if r["context"] == context}
+        out[str(context)] = {name: round(by[a] / by[b], 3) for name, (a, b) in pairs.items() if a in by and b in by}
+    for variant in VARIANTS:  # decode flat in context: the longest context's step over the shortest's
+        steps = [(r["context"], r["ms_per_decode_step"]) for r in results if r["backend"] == variant]
+        if len(steps) > 1:
+            out[f"{variant}_longest_over_shortest"] = round(max(steps)[1] / min(steps)[1], 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 32768, 65536])
@@ -96,7 +146,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None,
                     help="OMP_NUM_THREADS of the servers (torch intra-op threads; default: all cores)")
-    ap.add_argument("--backends", nargs="+", default=["torch_native", "nosa"])
+    ap.add_argument("--backends", nargs="+", default=["torch_native", "nosa"], choices=list(VARIANTS),
+                    help="variants, each its own server in turn (see VARIANTS)")
+    ap.add_argument("--checkpoint", default=None,
+                    help="serve this checkpoint (e.g. the quickstart's runs/tiny/nosa), not the tiny random Llama")
     ap.add_argument("--quick", action="store_true", help="contexts 4K and 8K, 32 new tokens")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "serve.json"))
     args = ap.parse_args()
@@ -106,43 +159,46 @@ def main() -> None:
         args.contexts, args.new_tokens = [4096, 8192], 32
 
     from nosa.config import NosaConfig
+    from nosa.serve.checkpoint import load_nosa_config
     from nosa.serve.tools.process import ServerProcess
 
     work = tempfile.mkdtemp(prefix="nosa_bench_")
-    ckpt = os.path.join(work, "tiny-llama")
-    build_model(ckpt)
+    ckpt = args.checkpoint
+    if ckpt is None:
+        ckpt = os.path.join(work, "tiny-llama")
+        build_model(ckpt)
+    cfg = load_nosa_config(ckpt)[0] if args.checkpoint else NosaConfig()
     max_ctx = max(args.contexts) + args.new_tokens + 16
+    host_tokens = args.batch * max_ctx + 1024
     flags = ["--skip-server-warmup", "--dtype", "float32", "--chunked-prefill-size", "-1",
              "--mem-fraction-static", "0.3", "--context-length", str(max_ctx),
-             "--max-total-tokens", str(args.batch * max_ctx + 1024),
-             "--max-running-requests", str(args.batch)]
+             "--max-total-tokens", str(host_tokens), "--max-running-requests", str(args.batch)]
     results = []
-    for backend in args.backends:
-        env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
-        server = ServerProcess(ckpt, ["--attention-backend", backend, *flags],
-                               os.path.join(work, f"{backend}.log"), env=env).wait_ready()
+    for variant in args.backends:
+        server_args, env = server_setup(variant, flags, cfg, args.batch, host_tokens, args.threads)
+        start = time.perf_counter()
+        server = ServerProcess(ckpt, server_args, os.path.join(work, f"{variant}.log"), env=env).wait_ready(
+            timeout=1800)  # the compiled variants build their decode graph at start-up
+        startup = round(time.perf_counter() - start, 1)
         try:
             measure(server, 512, args.batch, 16, warm_up=True)  # first-call costs of a fresh server
             for context in args.contexts:
-                row = {"backend": backend, **measure(server, context, args.batch, args.new_tokens)}
+                row = {"backend": variant, **measure(server, context, args.batch, args.new_tokens),
+                       "server_start_s": startup}
                 print(json.dumps(row), flush=True)
                 results.append(row)
         finally:
             server.stop()
-    speedup = {}
-    for context in args.contexts:
-        by = {r["backend"]: r for r in results if r["context"] == context}
-        if "nosa" in by and "torch_native" in by:
-            ratio = by["torch_native"]["ms_per_decode_step"] / by["nosa"]["ms_per_decode_step"]
-            speedup[str(context)] = round(ratio, 2)
-    report = {"model": "llama 2 layers, hidden 256, GQA 8/2, fp32, random weights",
-              "nosa_config": NosaConfig().to_dict(), "device": "cpu", "cpus": os.cpu_count(),
+    report = {"model": f"checkpoint {args.checkpoint}" if args.checkpoint else
+              "llama 2 layers, hidden 256, GQA 8/2, fp32, random weights",
+              "nosa_config": cfg.to_dict(), "device": "cpu", "cpus": os.cpu_count(),
               "threads": args.threads, "command": " ".join(sys.argv),
-              "results": results, "decode_speedup_nosa_over_torch_native": speedup}
+              "variants": {v: VARIANTS[v] for v in args.backends},
+              "results": results, "ratios": ratios(results, args.contexts)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(json.dumps(speedup))
+    print(json.dumps(report["ratios"]))
 
 
 if __name__ == "__main__":

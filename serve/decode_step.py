@@ -25,6 +25,7 @@ plain tensors (nosa.serve.tools.decode_harness).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from nosa.decode import DecodeBlocks, attend_resolved, read_blocks, read_width
 from nosa.kv import PagedKV, paged_rows
@@ -62,6 +63,20 @@ class PoolKV:
         slots = self.req_to_token.reshape(-1).index_select(0, where.flatten()).long()
         return self.pool.get_key_buffer(layer).index_select(0, slots).view(*positions.shape, -1,
                                                                              self.pool.get_key_buffer(layer).shape[-1])
+
+    def attend_dense(self, layer: int, q: torch.Tensor, contexts, scale: float) -> torch.Tensor:
+        """Host side (a step that is not captured, every request within dense_len): q [R, Hq, D]
+        over each request's whole context, ``contexts`` its (row, length), with no exp(cis)
+        weighting, gathered by token like torch_native -> [R, Hq, Dv]."""
+        k_pool, v_pool = self.pool.get_key_buffer(layer), self.pool.get_value_buffer(layer)
+        out = q.new_empty(*q.shape[:2], v_pool.shape[-1])
+        for i, (row, length) in enumerate(contexts):
+            slots = self.req_to_token[row, :length]
+            k = k_pool.index_select(0, slots).to(q.dtype).movedim(0, 1)  # [Hkv, n, D]
+            v = v_pool.index_select(0, slots).to(q.dtype).movedim(0, 1)
+            # one query row: every key is visible, no mask
+            out[i] = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=scale, enable_gqa=True)[:, 0]
+        return out
 
     def resolve(self, layer: int, wanted: DecodeBlocks, inputs: DecodeInputs, new_tokens):
         """Device side: the wanted blocks' rows, read in place (the new tokens are in the pool)."""
@@ -117,7 +132,13 @@ class DecodeStep:
             lengths = [step.lengths[i] for i in real] or [1]
             dense = [n for n in lengths if n <= cfg.dense_len]
             width = max(cfg.topk_blocks, cfg.num_blocks(max(dense))) if dense else cfg.topk_blocks
-            inputs.spans = DecodeSpans(cfg.num_compressed(max(lengths)), cfg.num_blocks(max(lengths)), width, False)
+            only_dense = None
+            if real and len(dense) == len(lengths) and hasattr(self.kv, "attend_dense"):
+                only_dense = tuple((step.rows[i], step.lengths[i]) for i in real)
+            completes = any((n >= cfg.compress_kernel and (n - cfg.compress_kernel) % cfg.compress_stride == 0)
+                            or n % cfg.block_size == 0 for n in lengths)
+            inputs.spans = DecodeSpans(cfg.num_compressed(max(lengths)), cfg.num_blocks(max(lengths)), width, False,
+                                       completes, only_dense)
         self.inputs = inputs
         return inputs
 
@@ -166,8 +187,13 @@ class DecodeStep:
         step is captured) -> attend."""
         inputs, spans = self.inputs, self.inputs.spans
         # 1. select: the state takes the new token, then one batched selection; the blocks to read
-        window = None if self.pool.key_tails else self.kv.window_keys(layer, inputs, self.cfg.compress_kernel)
-        self.pool.advance(layer, inputs.rows, inputs.lengths, k, cis, window)
+        if spans.completes:
+            window = None if self.pool.key_tails else self.kv.window_keys(layer, inputs, self.cfg.compress_kernel)
+            self.pool.advance(layer, inputs.rows, inputs.lengths, k, cis, window)
+        else:  # no window and no block completes: the state only records the token
+            self.pool.record(layer, inputs.rows, inputs.lengths, k, cis)
+        if spans.dense is not None:  # every request within dense_len, the step not captured
+            return self.kv.attend_dense(layer, q, spans.dense, scale)
         sel = self.pool.select(layer, inputs.rows, inputs.lengths, q, scale, spans.windows, spans.blocks)
         wanted = read_blocks(sel, inputs.lengths, self.cfg, spans.width)
         # 2. resolve: where those blocks are (offloading: hits stay, misses recalled from the host)

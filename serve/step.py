@@ -86,12 +86,18 @@ class DecodeSpans:
     """How far a decode step reads per request: ``windows`` compressed keys, ``blocks`` static
     keys and ``width`` blocks to attend (nosa.decode.read_blocks). ``static``: the step may be
     captured, so the spans are the longest context's and nothing may synchronise with the host;
-    otherwise they follow the batch (a shorter context reads less)."""
+    otherwise they follow the batch (a shorter context reads less). In a step that is not
+    captured, what the host knows lets it skip work: ``completes``, whether a request's new token
+    may complete a compressed window or a block (else the state only records the token);
+    ``dense``, when every request is within dense_len, their (row, length): the step skips the
+    selection and attends each context densely, as torch_native does."""
 
     windows: int
     blocks: int
     width: int
     static: bool
+    completes: bool = True
+    dense: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass
