@@ -245,7 +245,8 @@ class NosaAttnBackend(AttentionBackend):
         state = None if fresh else self.states.get(row, layer_id)
         if state is None or (max_length is not None and state.length > max_length):
             state = self.states.pool.open(row, layer_id)
-            self.states.put(row, layer_id, state)
+            if not self.states.put(row, layer_id, state):  # the request already left (overlap scheduling):
+                state = NosaDecodeState(self.config, self.num_kv_heads, self.head_dim, device=self.device)  # no pages
         return state
 
     def _prefill_from_pool(self, q, slots, layer) -> torch.Tensor:
