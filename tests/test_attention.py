@@ -72,18 +72,18 @@ def brute_force_row(q, k, v, cis, blocks, t, cfg, scale):
     return out
 
 
-# inference paths: every chunk row by row (attend_gathered), whole chunks of shared + own keys,
-# every chunk over the union of its rows' blocks (gathered); the masked path (None)
-@pytest.mark.parametrize("rest_tokens, row_rest_tokens, union_limit", [(0, 0, 0), (200, 1 << 20, 0), (1 << 20, 0, 0),
-                                                                       (0, 0, 1000), (None, None, None)])
+# inference paths: the gathered path (each group's shared blocks, every row's others block by block,
+# nosa.attention.paired) with tiles of one pair, planned and computed a few at a time; with tiles
+# of a few pairs; with the defaults; the masked path (None)
+@pytest.mark.parametrize("tile, plan_pairs, slice_tiles", [(1, 7, 1), (3, 50, 2), (4, 1 << 16, 64), (None, None, None)])
 @pytest.mark.parametrize("dense_len", [0, 40])
-def test_sparse_prefill_matches_brute_force_over_its_selection(dense_len, rest_tokens, row_rest_tokens, union_limit,
+def test_sparse_prefill_matches_brute_force_over_its_selection(dense_len, tile, plan_pairs, slice_tiles,
                                                                monkeypatch):
-    if rest_tokens is not None:
+    if tile is not None:
         use_gathered_path(monkeypatch)
-        monkeypatch.setattr("nosa.attention.gathered.REST_TOKENS", rest_tokens)
-        monkeypatch.setattr("nosa.attention.gathered.ROW_REST_TOKENS", row_rest_tokens)
-        monkeypatch.setattr("nosa.attention.gathered.UNION_LIMIT", union_limit)
+        monkeypatch.setattr("nosa.attention.paired.TILE", tile)
+        monkeypatch.setattr("nosa.attention.paired.PLAN_PAIRS", plan_pairs)
+        monkeypatch.setattr("nosa.attention.paired.SLICE_TILES", slice_tiles)
     length, hq, hkv, d = 180, 4, 2, 8
     cfg = NosaConfig.tiny(dense_len=dense_len)
     q, k, v = make(length, hq, hkv, d, seed=3)
