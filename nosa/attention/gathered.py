@@ -87,7 +87,7 @@ def attend_grouped(
         return _SelectedAttention.apply(q, k, v, cis, groups, scale, cfg.block_size, True)
     with torch.no_grad():
         pools = block_pools(k, v, cis, compute_dtype(q), cfg.block_size)
-        return attend_pairs(q, pools, sel, positions, cfg.block_size, scale)[0].to(q.dtype)
+        return attend_pairs(q, pools, sel, positions, cfg.block_size, scale, cfg.window_blocks)[0].to(q.dtype)
 
 
 def _chunks(positions, row_chunk: int) -> list[tuple[int, int]]:

@@ -29,7 +29,9 @@ from nosa.attention.math import NEG_INF
 # GFLOP/s, 256 rows 28) but waste more on the last, partial tile of each block
 TILE = 64
 # pairs planned together (sorted by block and tiled): more pairs fill more of each block's tiles
-PLAN_PAIRS = 1 << 17
+# (measured at 32K tokens: 2^19 pairs about 10% faster than 2^17, no gain beyond); the plan's
+# memory is a few index tensors of this length
+PLAN_PAIRS = 1 << 19
 # tiles attended and merged at once: small enough that their queries, keys and outputs stay in
 # cache (64 tiles of 64 pairs: 4 MiB of queries and outputs at the released config's G = 4, D = 32)
 SLICE_TILES = 64
@@ -43,14 +45,20 @@ def attend_pairs(
     positions: torch.Tensor,
     block_size: int,
     scale: float,
+    window_blocks: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row over the tokens of its blocks ``sel`` at or before its position, token j's logit
     raised by cis_j.
 
     q [n, Hq, D]; pools = (k [Hkv * NB, B * D], v [Hkv * NB, B * Dv], cis [Hkv * NB, B]) in the
-    softmax dtype; sel [n, Hkv, K] block indices (-1 = none; a block after the row's position
-    counts as none); positions [n]. Returns (out [n, Hq, Dv], lse [n, Hq]) in the pools' dtype;
-    a (row, KV head) with no key gets out 0 and lse -inf.
+    softmax dtype, contiguous; sel [n, Hkv, K] block indices (-1 = none; a block after the row's
+    position counts as none); positions [n] ascending. Returns (out [n, Hq, Dv], lse [n, Hq]) in
+    the pools' dtype; a (row, KV head) with no key gets out 0 and lse -inf.
+
+    ``window_blocks`` (the config's local window, the current block included): rows whose
+    selection holds the whole window (every KV head; the forced part of every selection past the
+    first blocks) attend to the window's whole blocks through ``attend_windows``, one fused call
+    per query block against a view of the pools, instead of as pairs.
     """
     n, hq, d = q.shape
     hkv, k_sel = sel.shape[1], sel.shape[2]
@@ -60,14 +68,16 @@ def attend_pairs(
     rows = max(1, PLAN_PAIRS // max(1, hkv * k_sel))
     for start in range(0, n, rows):
         stop = min(n, start + rows)
-        out[start:stop], lse[start:stop] = _attend_plan(q[start:stop], pools, sel[start:stop],
-                                                        positions[start:stop], block_size, scale)
+        out[start:stop], lse[start:stop] = _attend_plan(q[start:stop], pools, sel[start:stop], positions[start:stop],
+                                                        block_size, scale, window_blocks - 1)
     return out, lse
 
 
-def _attend_plan(q, pools, sel, positions, block_size, scale):
-    """``attend_pairs`` for one plan's rows: the pairs of whole blocks and those of the rows' current,
-    partial blocks (masked) in tiles of their own, merged into each (row, KV head) as they come."""
+def _attend_plan(q, pools, sel, positions, block_size, scale, span):
+    """``attend_pairs`` for one plan's rows: the ``span`` whole blocks before the current one where
+    every head selected them all, then the pairs of other whole blocks and those of the rows'
+    current, partial blocks (masked) in tiles of their own, merged into each (row, KV head) as they
+    come."""
     n, hq, d = q.shape
     hkv = sel.shape[1]
     group = hq // hkv
@@ -83,14 +93,55 @@ def _attend_plan(q, pools, sel, positions, block_size, scale):
     q_ext = torch.cat([q.to(dt).reshape(n * hkv, group, d), q.new_zeros(1, group, d, dtype=dt)])
     # running merge per (row, head) and spare: the largest lse so far, the sum of exp(lse - it) and
     # of exp(lse - it) * out. A finite floor instead of -inf keeps untouched rows free of NaN.
+    dv = pools[1].shape[1] // block_size
     merged = _Merge(torch.full((n * hkv + 1, group), torch.finfo(dt).min, dtype=dt, device=device),
-                    q.new_zeros(n * hkv + 1, group, dtype=dt), q.new_zeros(n * hkv + 1, group, d, dtype=dt))
+                    q.new_zeros(n * hkv + 1, group, dtype=dt), q.new_zeros(n * hkv + 1, group, dv, dtype=dt))
+    if span > 0:
+        cur = rows_pos // block_size
+        in_window = (sel >= cur - span) & (sel < cur)  # [n, Hkv, K]
+        whole = ((in_window.sum(dim=-1) == span).all(dim=-1) & (cur[:, 0, 0] >= span)).nonzero()[:, 0]
+        if whole.numel():
+            attend_windows(q, pools, whole, positions[whole], block_size, span, scale, merged)
+            real[whole] &= ~in_window[whole]
     for mask, last_key in ((real & ~partial, None), (partial, (rows_pos - sel * block_size)[partial])):
         if bool(mask.any()):
             _attend_tiles(q_ext, pools, row_of[mask], pool_row[mask], last_key, block_size, scale, merged)
     top, total, acc = (x[:-1] for x in merged)
     out = acc / total.clamp(min=torch.finfo(dt).tiny)[..., None]  # no key: 0 / tiny = 0
     return out.view(n, hq, -1), (top + total.log()).view(n, hq)  # no key: log 0 = -inf
+
+
+def attend_windows(q, pools, rows, positions, block_size, span, scale, merged) -> None:
+    """Rows ``rows`` [m] of q [n, Hq, D] (positions [m] ascending) over the ``span`` whole blocks
+    before their current block, merged into ``merged``. Rows of one query block share those keys,
+    so each query block is one fused attention call of its B x G query rows per KV head against a
+    strided view of the pools (query block c reads pool blocks c - span .. c - 1, overlapping its
+    neighbours'): nothing is gathered."""
+    k_pool, v_pool, c_pool = pools
+    n, hq, d = q.shape
+    hkv = (merged.top.shape[0] - 1) // n  # merged holds n * Hkv rows and the spare
+    group, bsz, dt = hq // hkv, block_size, k_pool.dtype
+    dv = v_pool.shape[1] // bsz
+    nb = c_pool.shape[0] // hkv
+    cur, offset = positions // bsz, positions % bsz
+    first = int(cur[0])
+    count = int(cur[-1]) - first + 1  # query blocks, some possibly without a row here
+    # queries [query block, KV head, B * G, D]: row at offset o of its block, query head g -> o * G + g
+    qw = q.new_zeros(count, hkv, bsz, group, d, dtype=dt)
+    qw[cur - first, :, offset] = q[rows].to(dt).view(-1, hkv, group, d)
+    base = (first - span) * bsz  # token offset of the first query block's window in a head's pool
+
+    def window(pool, width):  # [query block, KV head, span * B, width] view of a head-major pool
+        return pool.as_strided((count, hkv, span * bsz, width), (bsz * width, nb * bsz * width, width, 1),
+                               pool.storage_offset() + base * width)
+
+    bias = window(c_pool, 1).transpose(2, 3) if bool(c_pool.any()) else None  # [count, Hkv, 1, span * B]
+    out, lse = _fused_attention(qw.view(count, hkv, bsz * group, d), window(k_pool, d), window(v_pool, dv), bias,
+                                scale)
+    out = out.view(count, hkv, bsz, group, dv)[cur - first, :, offset]  # [m, Hkv, G, Dv]
+    lse = lse.view(count, hkv, bsz, group)[cur - first, :, offset]
+    heads = torch.arange(hkv, device=q.device)
+    merged.add((rows[:, None] * hkv + heads).flatten(), out.reshape(-1, group, dv), lse.reshape(-1, group))
 
 
 class _Merge(NamedTuple):
@@ -102,7 +153,8 @@ class _Merge(NamedTuple):
     acc: torch.Tensor
 
     def add(self, rows: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """Merge results out [S, G, Dv], lse [S, G] of rows [S] (a row may repeat)."""
+        """Merge results out [S, G, Dv], lse [S, G] of rows [S] (a row may repeat). Every row is
+        rescaled (by 1 where its top stays): measured faster than finding the rows present."""
         top = self.top.clone().scatter_reduce_(0, rows[:, None].expand_as(lse), lse, reduce="amax")
         shrink = torch.exp(self.top - top)
         self.total.mul_(shrink)
@@ -156,8 +208,9 @@ def _attend_tiles(q_ext, pools, pair_row, pair_block, last_key, block_size, scal
 
 
 def _fused_attention(q, k, v, bias, scale):
-    """softmax(scale * q k^T + bias) v with its log-sum-exp: q [T, 1, M, D], k/v [T, 1, B, D], bias
-    broadcastable to [T, 1, M, B] or None -> (out [T, 1, M, Dv], lse [T, 1, M]). On CPU torch's
+    """softmax(scale * q k^T + bias) v with its log-sum-exp: q [T, H, M, D], k/v [T, H, B, D] (any
+    strides but the last), bias broadcastable to [T, H, M, B] or None -> (out [T, H, M, Dv], lse
+    [T, H, M]). On CPU torch's
     fused flash kernel, the one SDPA runs, called through its aten op because SDPA does not return
     the lse; elsewhere (a GPU without the Triton kernels) the plain matmuls."""
     if q.device.type == "cpu":
