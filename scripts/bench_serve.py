@@ -9,6 +9,11 @@ context length, sends ``--batch`` concurrent greedy requests with streaming (see
 decode step time is the median interval between streamed tokens while the whole batch decodes, so
 prefill and request handling are excluded). Contexts above the model's dense_len (4096) are where
 NOSA's selection applies. Not a test: nothing is asserted.
+
+``--py-spy DIR`` also samples the server's scheduler process (the one running the forward passes)
+with py-spy (``pip install py-spy``) while each context is measured: the raw stacks go to
+``DIR/<backend>_<context>.txt``, and each result row gets ``extend_profile``, the functions under
+the attention backend's ``forward_extend`` (prefill) with their share of its samples.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -89,6 +96,40 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
             "decode_intervals": len(per_token), "prefill_s": round(all_decoding, 2)}
 
 
+def scheduler_pid(server) -> int:
+    """The pid of the server's scheduler process, which runs the model (a child of the launcher)."""
+    listing = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(server.proc.pid)], capture_output=True,
+                             text=True, check=True).stdout
+    for line in listing.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if "scheduler" in args:
+            return int(pid)
+    raise RuntimeError(f"no scheduler process under the server's pid {server.proc.pid}:\n{listing}")
+
+
+def extend_profile(raw_path: str, top: int = 10) -> list[list]:
+    """[function (file), share of the extend's samples] for the functions under ``forward_extend``
+    in py-spy's raw stacks (``frame;frame;... count`` per line), most samples first; a function
+    counts once per stack."""
+    calls, total = {}, 0
+    with open(raw_path) as f:
+        for line in f:
+            stack, _, count = line.rstrip().rpartition(" ")
+            frames = stack.split(";")
+            below = [i for i, frame in enumerate(frames) if frame.startswith("forward_extend ")]
+            if not below:
+                continue
+            total += int(count)
+            names = set()
+            for frame in frames[below[0]:]:
+                name, _, where = frame.partition(" (")
+                names.add(f"{name} ({'/'.join(where.split(':')[0].split('/')[-2:])})")
+            for name in names:
+                calls[name] = calls.get(name, 0) + int(count)
+    ranked = sorted(calls.items(), key=lambda kv: -kv[1])[:top]
+    return [[name, round(n / max(1, total), 3)] for name, n in ranked] + [["samples", total]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 32768, 65536])
@@ -99,6 +140,8 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=["torch_native", "nosa"])
     ap.add_argument("--quick", action="store_true", help="contexts 4K and 8K, 32 new tokens")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "serve.json"))
+    ap.add_argument("--py-spy", metavar="DIR", default=None,
+                    help="sample the server's scheduler with py-spy while each context runs (see above)")
     args = ap.parse_args()
     # A plain kill must still stop the server (its process group) through the finally below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -116,6 +159,8 @@ def main() -> None:
              "--mem-fraction-static", "0.3", "--context-length", str(max_ctx),
              "--max-total-tokens", str(args.batch * max_ctx + 1024),
              "--max-running-requests", str(args.batch)]
+    # py-spy as installed beside this Python (a venv's bin), else on PATH
+    py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy") or "py-spy"
     results = []
     for backend in args.backends:
         env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
@@ -124,7 +169,21 @@ def main() -> None:
         try:
             measure(server, 512, args.batch, 16, warm_up=True)  # first-call costs of a fresh server
             for context in args.contexts:
-                row = {"backend": backend, **measure(server, context, args.batch, args.new_tokens)}
+                spy = None
+                if args.py_spy:
+                    os.makedirs(args.py_spy, exist_ok=True)
+                    raw = os.path.join(args.py_spy, f"{backend}_{context}.txt")
+                    spy = subprocess.Popen([py_spy, "record", "--pid", str(scheduler_pid(server)), "--rate", "50",
+                                            "--format", "raw", "-o", raw], stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL)
+                try:
+                    row = {"backend": backend, **measure(server, context, args.batch, args.new_tokens)}
+                finally:
+                    if spy is not None:
+                        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                        spy.wait(timeout=120)
+                if spy is not None:
+                    row["extend_profile"] = extend_profile(raw)
                 print(json.dumps(row), flush=True)
                 results.append(row)
         finally:
