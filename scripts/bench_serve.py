@@ -109,14 +109,16 @@ def scheduler_pid(server) -> int:
 
 def extend_profile(raw_path: str, top: int = 10) -> list[list]:
     """[function (file), share of the extend's samples] for the functions under ``forward_extend``
-    in py-spy's raw stacks (``frame;frame;... count`` per line), most samples first; a function
-    counts once per stack."""
-    calls, total = {}, 0
+    in py-spy's raw stacks (``frame;frame;... count`` per line), most samples first (a function
+    counts once per stack), then the extend's samples and those of the whole run (decode too)."""
+    calls, total, busy = {}, 0, 0
     with open(raw_path) as f:
         for line in f:
             stack, _, count = line.rstrip().rpartition(" ")
+            busy += int(count)
             frames = stack.split(";")
-            below = [i for i, frame in enumerate(frames) if frame.startswith("forward_extend ")]
+            # frames read "Class.method (file.py:line)"
+            below = [i for i, frame in enumerate(frames) if frame.partition(" (")[0].split(".")[-1] == "forward_extend"]
             if not below:
                 continue
             total += int(count)
@@ -127,7 +129,7 @@ def extend_profile(raw_path: str, top: int = 10) -> list[list]:
             for name in names:
                 calls[name] = calls.get(name, 0) + int(count)
     ranked = sorted(calls.items(), key=lambda kv: -kv[1])[:top]
-    return [[name, round(n / max(1, total), 3)] for name, n in ranked] + [["samples", total]]
+    return [[name, round(n / max(1, total), 3)] for name, n in ranked] + [["samples", total], ["all samples", busy]]
 
 
 def main() -> None:

@@ -2,14 +2,15 @@
 PyTorch, autograd). Layout as in nosa.attention.math: q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv];
 the n query rows are the last n tokens of the L-token context (n == L for a plain prefill).
 
-Every row gets its own selection (nosa.select) from the blocks up to its position (causal inside
-the current block), then attends over its selected blocks (``attend_selected``): the Triton kernel
-on CUDA (nosa.ops, imported only on that branch); on CPU masked dense SDPA
-(nosa.attention.masked) for short contexts, else gathers of each row's blocks
-(nosa.attention.gathered): the same math, measured crossover. Rows whose context has at most
-``dense_len`` tokens attend densely (plain causal softmax, no eviction weighting), so short prompts
-behave exactly like the dense model. Decode (one query per step, incremental state) is
-nosa.decode.NosaDecodeState.
+Every row gets its own selection (``prefill_selection``, nosa.select) from the blocks up to its
+position (causal inside the current block), then attends over its selected blocks
+(``attend_selected``): the Triton kernel on CUDA (nosa.ops, imported only on that branch); on CPU
+masked dense SDPA (nosa.attention.masked) for short contexts, else the gathered path
+(nosa.attention.gathered; without gradients block by block, nosa.attention.paired): the same
+math, measured crossover. Rows whose context has at most ``dense_len`` tokens attend densely
+(causal SDPA, no eviction weighting), so short prompts behave exactly like the dense model;
+``prefill_attention`` (serving) does not select them. Decode (one query per step, incremental
+state) is nosa.decode.NosaDecodeState.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cis: to
     costs what dense causal attention costs. q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv] ->
     out [n, Hq, D], equal to ``nosa_prefill(...)[0]``."""
     dense_rows = _dense_rows(q, k, cis, cfg)
-    selection = prefill_selection(q[dense_rows:], k, cis, cfg, scale)
+    selection = prefill_selection(q[dense_rows:], k, cis, cfg, scale) if dense_rows < q.shape[0] else None
     return _attend(q, k, v, cis, selection, dense_rows, cfg, scale, None)
 
 
@@ -106,7 +107,8 @@ def _dense_rows(q, k, cis, cfg: NosaConfig) -> int:
 
 
 def _attend(q, k, v, cis, selection, dense_rows: int, cfg: NosaConfig, scale: float, row_chunk):
-    """The rows within dense_len densely, the others over ``selection`` [n - dense_rows, Hkv, K]."""
+    """The rows within dense_len densely, the others over ``selection`` [n - dense_rows, Hkv, K]
+    (None when every row is within dense_len)."""
     n, length = q.shape[0], k.shape[0]
     first = length - n
     outs = []
