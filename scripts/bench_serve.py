@@ -175,9 +175,10 @@ def main() -> None:
                 if args.py_spy:
                     os.makedirs(args.py_spy, exist_ok=True)
                     raw = os.path.join(args.py_spy, f"{backend}_{context}.txt")
+                    # --nonblocking: samples without pausing the server, so the timings stand
                     spy = subprocess.Popen([py_spy, "record", "--pid", str(scheduler_pid(server)), "--rate", "50",
-                                            "--format", "raw", "-o", raw], stdout=subprocess.DEVNULL,
-                                           stderr=subprocess.DEVNULL)
+                                            "--nonblocking", "--format", "raw", "-o", raw],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 try:
                     row = {"backend": backend, **measure(server, context, args.batch, args.new_tokens)}
                 finally:
