@@ -58,10 +58,20 @@ def stream_generate(url: str, prompt: list[int], new_tokens: int, start: float, 
             out.append((time.perf_counter() - start, int(chunk["meta_info"]["completion_tokens"])))
 
 
-def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = False) -> dict | None:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = False,
+            cpu_pid: int | None = None) -> dict | None:
     """One batch of ``batch`` concurrent greedy requests of ``context`` random prompt tokens, streamed.
 
-    Prefill: until every request has its first token. Decode: the intervals between streamed tokens
+    Prefill: until every request has its first token (``prefill_s``; with ``cpu_pid``, the server's
+    scheduler process, also its CPU seconds over that time, ``prefill_cpu_s``: less sensitive than
+    wall time to other load on a shared machine). Decode: the intervals between streamed tokens
     once every request is decoding (the whole batch in each step), per token; the median over all
     requests and steps is the step time (robust to a noisy machine), the mean is reported too.
     Nothing here depends on the prefix cache or on work done before the first token."""
@@ -72,12 +82,16 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
     server.post("/flush_cache", {})
     g = torch.Generator().manual_seed(context)
     prompts = [torch.randint(0, 256, (context,), generator=g).tolist() for _ in range(batch)]
+    cpu_start = cpu_seconds(cpu_pid) if cpu_pid else 0.0
     start = time.perf_counter()
     streams = [[] for _ in prompts]
     threads = [threading.Thread(target=stream_generate, args=(server.url, p, new_tokens, start, out))
                for p, out in zip(prompts, streams)]
     for t in threads:
         t.start()
+    while not all(streams) and any(t.is_alive() for t in threads):  # until every first token
+        time.sleep(0.02)
+    prefill_cpu = cpu_seconds(cpu_pid) - cpu_start if cpu_pid else None
     for t in threads:
         t.join()
     if any(not s or s[-1][1] != new_tokens for s in streams):
@@ -93,7 +107,8 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
     return {"context": context, "batch": batch, "decode_tokens_per_s": round(batch / step, 2),
             "ms_per_decode_step": round(1000 * step, 2),
             "ms_per_decode_step_mean": round(1000 * statistics.fmean(per_token), 2),
-            "decode_intervals": len(per_token), "prefill_s": round(all_decoding, 2)}
+            "decode_intervals": len(per_token), "prefill_s": round(all_decoding, 2),
+            **({"prefill_cpu_s": round(prefill_cpu, 2)} if cpu_pid else {})}
 
 
 def scheduler_pid(server) -> int:
@@ -180,7 +195,8 @@ def main() -> None:
                                             "--nonblocking", "--format", "raw", "-o", raw],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 try:
-                    row = {"backend": backend, **measure(server, context, args.batch, args.new_tokens)}
+                    row = {"backend": backend, **measure(server, context, args.batch, args.new_tokens,
+                                                         cpu_pid=scheduler_pid(server))}
                 finally:
                     if spy is not None:
                         spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
