@@ -64,8 +64,8 @@ def attend_gathered(
     of exp(scale * q.k + bias) over the row's keys, so results over disjoint key sets merge exactly
     (``merge_attention``); a row with no key gets out 0 and lse -inf.
     One row at a time, so its gathered K/V stay in cache between gather and matmul: gathering every
-    row first measured about 3x slower on CPU. Inference prefill rows with many keys of their own
-    (nosa.attention.gathered) and decode (``nosa.decode``) use it.
+    row first measured about 3x slower on CPU. Decode (``nosa.decode``) uses it; prefill, many rows
+    per block, goes block by block instead (nosa.attention.paired).
     """
     n, hq, d = q.shape
     hkv = rows.shape[1]

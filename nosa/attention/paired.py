@@ -61,7 +61,7 @@ def attend_pairs(
     first blocks) attend to the window's whole blocks through ``attend_windows``, one fused call
     per query block against a view of the pools, instead of as pairs.
     """
-    n, hq, d = q.shape
+    n, hq, _ = q.shape
     hkv, k_sel = sel.shape[1], sel.shape[2]
     dv = pools[1].shape[1] // block_size
     out = pools[0].new_zeros(n, hq, dv)
