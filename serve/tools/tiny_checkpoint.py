@@ -65,7 +65,6 @@ def make_checkpoint(path: str, nosa_config=None, seed: int = 0, evict_scale: flo
     if nosa_config is not None:
         nosa.convert(model, nosa_config)
         set_eviction_heads(model, scale=evict_scale, std=0.3, seed=seed, bias_std=0.3)
-        model.config._attn_implementation = "sdpa"  # keep config.json loadable without nosa
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     make_tokenizer(path)
