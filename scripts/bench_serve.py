@@ -12,8 +12,9 @@ streamed tokens while the whole batch decodes, so prefill and request handling a
 Contexts above the model's dense_len (4096) are where NOSA's selection applies.
 ``--evict-scale A`` (A > 0) converts the model to a NOSA checkpoint with random eviction heads of
 scale A, so that under tensor parallelism the ranks exchange the eviction heads' partial sums
-(a dense checkpoint's A = 0 heads need no other rank). On CPU a TP server binds each rank to its
-own share of the cores (SGLANG_CPU_OMP_THREADS_BIND). Not a test: nothing is asserted.
+(a dense checkpoint's A = 0 heads need no other rank). On CPU a TP server gets
+SGLANG_CPU_OMP_THREADS_BIND, one share of the cores per rank (nosa.serve.tools.process.cpu_binding),
+and each rank runs ``--threads`` torch threads. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -45,16 +46,6 @@ def build_model(path: str, evict_scale: float = 0.0) -> None:
         set_eviction_heads(model, scale=evict_scale, std=0.3, seed=0, bias_std=0.3)
     model.save_pretrained(path)
     make_tokenizer(path)
-
-
-def cpu_binding(ranks: int) -> str:
-    """SGLANG_CPU_OMP_THREADS_BIND for ``ranks`` TP ranks: the usable cores split into contiguous
-    shares, one per rank ("0|1" on 2 cores). SGLang requires it when ranks outnumber NUMA nodes."""
-    cores = sorted(os.sched_getaffinity(0))
-    share = len(cores) // ranks
-    if share < 1:
-        raise SystemExit(f"--tp-sizes {ranks}: only {len(cores)} cores for {ranks} ranks")
-    return "|".join(",".join(map(str, cores[r * share:(r + 1) * share])) for r in range(ranks))
 
 
 def stream_generate(url: str, prompt: list[int], new_tokens: int, start: float, out: list) -> None:
@@ -131,7 +122,7 @@ def main() -> None:
         args.contexts, args.new_tokens = [4096, 8192], 32
 
     from nosa.config import NosaConfig
-    from nosa.serve.tools.process import ServerProcess
+    from nosa.serve.tools.process import ServerProcess, cpu_binding
 
     work = tempfile.mkdtemp(prefix="nosa_bench_")
     ckpt = os.path.join(work, "tiny-llama")

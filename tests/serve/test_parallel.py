@@ -1,7 +1,7 @@
 """Tensor- and data-parallel serving on CPU: real SGLang servers with two scheduler processes each.
 
-Servers, started together (SGLANG_CPU_OMP_THREADS_BIND="0|1": SGLang asks for it when ranks
-outnumber NUMA nodes), on tiny NOSA checkpoints with non-zero eviction heads on every KV head:
+Servers, started together (SGLANG_CPU_OMP_THREADS_BIND, one share of the cores per rank: SGLang
+asks for it when ranks outnumber NUMA nodes), on tiny NOSA checkpoints with non-zero eviction heads on every KV head:
 - ``tp``: GQA 4/2, ``--tp-size 2`` (one KV head per rank: the eviction heads all-reduce), offloading off;
 - ``tp_offload``: the same with offloading on (host pool and device slots per rank);
 - ``mqa_offload``: one KV head, ``--tp-size 2`` (more ranks than KV heads: SGLang's CPU path pads a
@@ -29,13 +29,13 @@ if _MISSING:
     pytest.skip(_MISSING, allow_module_level=True)
 
 import nosa  # noqa: E402
-from nosa.serve.tools.process import ServerProcess  # noqa: E402
+from nosa.serve.tools.process import ServerProcess, cpu_binding  # noqa: E402
 
 CFG = nosa.NosaConfig.tiny(dense_len=64)  # budget 8 blocks x 16 tokens = 128 tokens per request
 COMMON = ["--skip-server-warmup", "--sleep-on-idle", "--dtype", "float32", "--mem-fraction-static", "0.3",
           "--context-length", "1024", "--attention-backend", "nosa", "--chunked-prefill-size", "128"]
 OFFLOAD = ["--page-size", str(CFG.block_size)]
-BIND = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+BIND = {"SGLANG_CPU_OMP_THREADS_BIND": cpu_binding(2)}
 OFFLOAD_ENV = {"NOSA_OFFLOAD": "1", "NOSA_HOST_KV_TOKENS": "3000", "NOSA_DEVICE_KV_TOKENS": "256"}
 LONG = [(300, 11), (457, 12), (40, 3)]  # (prompt length, seed); 40 <= dense_len attends densely
 MIXED = [35, 90, 150, 260, 410, 520, 70, 333]  # prompt lengths sent at once
