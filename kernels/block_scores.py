@@ -17,6 +17,8 @@ pass 2 walks the blocks, recomputing the probabilities of the windows each block
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -57,18 +59,13 @@ def query_block_scores_triton(q, compressed_k, positions, num_blocks: int, cfg, 
     grid, args, consts, out = block_scores_plan(q, compressed_k, positions, num_blocks, cfg.block_size,
                                                 cfg.compress_kernel, cfg.compress_stride, scale)
     if out.numel():
-        kernel()[grid](*args, **consts, num_warps=4)
+        kernels()["scores"][grid](*args, **consts, num_warps=4)
     return out
 
 
-_KERNEL = None
-
-
-def kernel():
-    """The @triton.jit kernel, defined on first use so that importing this module needs no triton."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
+@functools.cache
+def kernels() -> dict:
+    """{"scores"}: the @triton.jit kernel, built on first use (importing needs no triton)."""
     import triton
     import triton.language as tl
 
@@ -123,5 +120,4 @@ def kernel():
             b = b0 + bt
             tl.store(OUT + r * sor + h * soh + b, pooled, mask=b < NB)
 
-    _KERNEL = scores_kernel
-    return scores_kernel
+    return {"scores": scores_kernel}

@@ -19,7 +19,7 @@ KV heads are folded into the batch:
 A custom JIT attention variant (VARIANT_DECL) applies what FlashInfer has no built-in for: the
 logit scale * q.k + cis_j (cis read through the page table) and the fill mask (token t of a page is
 valid iff t < its fill). FlashInfer returns its lse in log2 units; `unfold` converts to the natural
-log used everywhere else (nosa.attention_math.merge_attention), -inf and out 0 for a row with no valid
+log used everywhere else (nosa.attention.math.merge_attention), -inf and out 0 for a row with no valid
 token. Supported: bf16/fp16, D == Dv, G in FOLDABLE_GROUPS (FlashInfer's decode kernel instances).
 
 flashinfer is imported only inside the CUDA path (`require_flashinfer`); everything else here is
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nosa.kernels.slot_decode import _check
+from nosa.kernels.slot_decode import check_inputs
 
 FLASHINFER_VERSION = "0.7.2.post1"  # the version whose jit_args layout and variant API this follows
 FOLDABLE_GROUPS = (1, 2, 3, 4, 6, 8, 16)  # FlashInfer's DISPATCH_GQA_GROUP_SIZE
@@ -128,7 +128,7 @@ class FoldedPages:
 
 def fold(q, k_dev, v_dev, cis_dev, slots, fill) -> FoldedPages:
     """Fold (request, KV head) into the batch (module docstring). Shapes as nosa.ops.slot_decode."""
-    _check(q, k_dev, v_dev, cis_dev, slots, fill)
+    check_inputs(q, k_dev, v_dev, cis_dev, slots, fill)
     q = q.contiguous()  # small; the caches are large and must already be contiguous
     for name, t in (("k_dev", k_dev), ("v_dev", v_dev), ("cis_dev", cis_dev)):
         if not t.is_contiguous():

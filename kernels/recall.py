@@ -20,6 +20,7 @@ call writes completed blocks back host-ward (dst = host tensors).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -158,30 +159,25 @@ def copy_items_triton(dst, src, dst_idx, src_idx) -> None:
         return
     for lo in range(0, len(dst), MAX_PAIRS):
         grid, args, constexprs = copy_items_plan(dst[lo : lo + MAX_PAIRS], src[lo : lo + MAX_PAIRS], dst_idx, src_idx)
-        copy_kernel()[grid](*args, **constexprs, num_warps=4)
+        kernels()["copy"][grid](*args, **constexprs, num_warps=4)
 
 
-_KERNEL = None
-
-
-def copy_kernel():
-    """The @triton.jit kernel, defined on first use so that importing this module needs no triton."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
+@functools.cache
+def kernels() -> dict:
+    """{"copy"}: the @triton.jit kernel, built on first use (importing needs no triton)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def kernel(DST_IDX, SRC_IDX, D0, S0, D1, S1, D2, S2,
-               NPAIRS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, CHUNK: tl.constexpr):
+    def copy_kernel(DST_IDX, SRC_IDX, D0, S0, D1, S1, D2, S2,
+                    NPAIRS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, CHUNK: tl.constexpr):
         m = tl.program_id(0)
         offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
         s = tl.load(SRC_IDX + m)
         ok = s >= 0
         d = tl.where(ok, tl.load(DST_IDX + m), 0)  # a padded entry's dst may be anything: never use it
         s = tl.where(ok, s, 0)
-        # .cg: each byte is read once, keep it out of L1 (nested jit helpers cannot live in this closure)
+        # .cg: each byte is read once, keep it out of L1
         x = tl.load(S0 + s * W0 + offs, mask=ok & (offs < W0), cache_modifier=".cg")
         tl.store(D0 + d * W0 + offs, x, mask=ok & (offs < W0))
         if NPAIRS > 1:
@@ -191,5 +187,4 @@ def copy_kernel():
             x = tl.load(S2 + s * W2 + offs, mask=ok & (offs < W2), cache_modifier=".cg")
             tl.store(D2 + d * W2 + offs, x, mask=ok & (offs < W2))
 
-    _KERNEL = kernel
-    return kernel
+    return {"copy": copy_kernel}

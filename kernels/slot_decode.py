@@ -17,20 +17,16 @@ merges the splits by their lse (split-K: a long budget spreads over more SMs).
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def interpreting() -> bool:
-    """Under TRITON_INTERPRET=1 every tl.dot runs in fp32: the interpreter's bf16/fp16 dot returns
-    garbage (triton 3.8), so the tensor-core path is checked by the AOT compile and on a GPU only."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _check(q, k_dev, v_dev, cis_dev, slots, fill):
+def check_inputs(q, k_dev, v_dev, cis_dev, slots, fill) -> None:
+    """ValueError naming the argument whose shape or dtype breaks the layout above (the FlashInfer
+    path, nosa.kernels.flashinfer_decode, takes the same inputs and checks them here too)."""
     if q.dim() != 3 or k_dev.dim() != 3 or v_dev.dim() != 3 or cis_dev.dim() != 2:
         raise ValueError(f"slot_decode: expected q [R, Hq, D], k_dev/v_dev [S, B, D], cis_dev [S, B]; got q "
                          f"{tuple(q.shape)}, k_dev {tuple(k_dev.shape)}, v_dev {tuple(v_dev.shape)}, "
@@ -59,7 +55,7 @@ def slot_decode_reference(q, k_dev, v_dev, cis_dev, slots, fill, scale: float):
     Returns (out [R, Hq, Dv] in q.dtype, lse [R, Hq] float32). Also the CPU decode path: one
     request at a time, so its gathered K/V stay in cache."""
     if q.dtype != torch.float64:
-        _check(q, k_dev, v_dev, cis_dev, slots, fill)
+        check_inputs(q, k_dev, v_dev, cis_dev, slots, fill)
     rows, hq, d = q.shape
     hkv, ns = slots.shape[1:]
     block, dv = k_dev.shape[1], v_dev.shape[2]
@@ -96,7 +92,9 @@ def slot_decode_plan(q, k_dev, v_dev, cis_dev, slots, fill, scale: float, num_sp
     the launcher and the ahead-of-time compile test."""
     import triton
 
-    _check(q, k_dev, v_dev, cis_dev, slots, fill)
+    from nosa.kernels.tile import exact_products
+
+    check_inputs(q, k_dev, v_dev, cis_dev, slots, fill)
     for name, t in (("q", q), ("k_dev", k_dev), ("v_dev", v_dev), ("cis_dev", cis_dev), ("slots", slots),
                     ("fill", fill)):
         if t.stride(-1) != 1:
@@ -123,7 +121,7 @@ def slot_decode_plan(q, k_dev, v_dev, cis_dev, slots, fill, scale: float, num_sp
     p2 = triton.next_power_of_2
     consts = dict(BLOCK=block, BLOCK_P=max(16, p2(block)), GROUP=group, GROUP_P=max(16, p2(group)),
                   HEAD_DIM=d, HEAD_DIM_P=max(16, p2(d)), DV=dv, DV_P=max(16, p2(dv)),
-                  IEEE=q.dtype == torch.float32 or interpreting())
+                  IEEE=exact_products(q.dtype))
     args = [q, k_dev, v_dev, cis_dev, slots, fill, part_out, part_lse,
             q.stride(0), q.stride(1), k_dev.stride(0), k_dev.stride(1), v_dev.stride(0), v_dev.stride(1),
             cis_dev.stride(0), slots.stride(0), slots.stride(1), fill.stride(0), fill.stride(1),
@@ -146,16 +144,15 @@ def slot_decode(q, k_dev, v_dev, cis_dev, slots, fill, scale: float, num_splits:
     return out, lse
 
 
-_KERNELS = None
-
-
-def kernels():
-    """{"split", "merge"}: the @triton.jit kernels, defined on first use (importing needs no triton)."""
-    global _KERNELS
-    if _KERNELS is not None:
-        return _KERNELS
+@functools.cache
+def kernels() -> dict:
+    """{"split", "merge"}: the @triton.jit kernels, built on first use (importing needs no triton)."""
+    # module globals, not closure names: under TRITON_INTERPRET=1 a kernel's names resolve in its module
+    global dot, softmax_result, softmax_step
     import triton
     import triton.language as tl
+
+    from nosa.kernels.tile import dot, softmax_result, softmax_step
 
     @triton.jit
     def split_kernel(Q, K, V, CIS, SLOTS, FILL, OUT, LSE,
@@ -189,24 +186,10 @@ def kernels():
             k = tl.load(K + slot * skn + t[:, None] * skt + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(V + slot * svn + t[:, None] * svt + e[None, :], mask=ok[:, None] & e_ok[None, :], other=0.0)
             c = tl.load(CIS + slot * scn + t, mask=ok, other=0.0)
-            if IEEE:  # fp32 products (tf32 would lose 3 digits); also the interpreter's (its bf16 dot is wrong)
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:  # bf16/fp16: tensor-core products, fp32 accumulation
-                s = tl.dot(q, tl.trans(k))
+            s = dot(q, tl.trans(k), IEEE)
             s = tl.where(ok[None, :], s * scale + c[None, :], float("-inf"))  # [GROUP_P, BLOCK_P]
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: keep zeros
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        has = denom > 0
-        out = tl.where(has[:, None], acc / tl.where(has, denom, 1.0)[:, None], 0.0)
-        lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
+            m, denom, acc = softmax_step(s, v, m, denom, acc, IEEE)
+        out, lse = softmax_result(m, denom, acc)
         heads = h * GROUP + g
         tl.store(OUT + r * sor + heads[:, None] * soh + sp * sos + e[None, :], out.to(OUT.dtype.element_ty),
                  mask=g_ok[:, None] & e_ok[None, :])
@@ -232,5 +215,4 @@ def kernels():
         tl.store(OUT + r * sor + h * soh + e, out.to(OUT.dtype.element_ty), mask=e < DV)
         tl.store(LSE + r * sr + h, tl.where(total > 0, top_safe + tl.log(safe), float("-inf")))
 
-    _KERNELS = {"split": split_kernel, "merge": merge_kernel}
-    return _KERNELS
+    return {"split": split_kernel, "merge": merge_kernel}

@@ -16,9 +16,11 @@ an online softmax over the K blocks; on CPU it runs under TRITON_INTERPRET=1 (te
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from nosa.attention import gather_heads, selected_tokens
+from nosa.attention.math import gather_heads, selected_tokens
 
 
 def sparse_decode_reference(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale,
@@ -49,7 +51,7 @@ def sparse_decode(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens,
     """Triton kernel launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
     grid, args, consts = sparse_decode_plan(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens,
                                             block_size, scale)
-    _kernel()[grid](*args, **consts)
+    kernels()["decode"][grid](*args, **consts)
     out, lse = args[7], args[8]
     return (out, lse) if return_lse else out
 
@@ -58,7 +60,7 @@ def sparse_decode_plan(q, k_pool, v_pool, cis_pool, token_table, selection, seq_
     """(grid, args, constexprs) of the launch, shared with the ahead-of-time compile test."""
     import triton
 
-    from nosa.kernels.slot_decode import interpreting
+    from nosa.kernels.tile import exact_products
 
     bsz, hq, d = q.shape
     hkv, topk = selection.shape[1], selection.shape[2]
@@ -87,27 +89,26 @@ def sparse_decode_plan(q, k_pool, v_pool, cis_pool, token_table, selection, seq_
             scale]
     consts = dict(TOPK=topk, BLOCK=block_size, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)),
                   HEAD_DIM=d, HEAD_DIM_P=max(16, triton.next_power_of_2(d)),
-                  IEEE=q.dtype == torch.float32 or interpreting())
+                  IEEE=exact_products(q.dtype))
     return (bsz, hkv), args, consts
 
 
-_KERNEL = None
-
-
-def _kernel():
-    """Define the @triton.jit kernel on first use, so importing this module needs no triton."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
+@functools.cache
+def kernels() -> dict:
+    """{"decode"}: the @triton.jit kernel, built on first use (importing needs no triton)."""
+    # module globals, not closure names: under TRITON_INTERPRET=1 a kernel's names resolve in its module
+    global dot, softmax_result, softmax_step
     import triton
     import triton.language as tl
 
+    from nosa.kernels.tile import dot, softmax_result, softmax_step
+
     @triton.jit
-    def kernel(Q, K, V, CIS, TOK, SEL, LENS, OUT, LSE,
-               sqb, sqh, skn, skh, svn, svh, scn, sch, stb, ssb, ssh, sob, soh, slb,
-               scale,
-               TOPK: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-               HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, IEEE: tl.constexpr):
+    def decode_kernel(Q, K, V, CIS, TOK, SEL, LENS, OUT, LSE,
+                      sqb, sqh, skn, skh, svn, svh, scn, sch, stb, ssb, ssh, sob, soh, slb,
+                      scale,
+                      TOPK: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         length = tl.load(LENS + b)
@@ -129,28 +130,12 @@ def _kernel():
             k = tl.load(K + slot[:, None] * skn + h * skh + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(V + slot[:, None] * svn + h * svh + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
             c = tl.load(CIS + slot * scn + h * sch, mask=ok, other=0.0).to(tl.float32)
-            if IEEE:  # fp32 products (tf32 would lose 3 digits); also the interpreter's (its bf16 dot is wrong)
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:  # bf16/fp16: tensor-core products, fp32 accumulation
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale + c[None, :]  # [GROUP_P, BLOCK]
+            s = dot(q, tl.trans(k), IEEE) * scale + c[None, :]  # [GROUP_P, BLOCK]
             s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no valid token
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        has = denom > 0
-        out = tl.where(has[:, None], acc / tl.where(has, denom, 1.0)[:, None], 0.0)
-        lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
+            m, denom, acc = softmax_step(s, v, m, denom, acc, IEEE)
+        out, lse = softmax_result(m, denom, acc)
         tl.store(OUT + b * sob + (h * GROUP + g)[:, None] * soh + d[None, :], out.to(OUT.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])
         tl.store(LSE + b * slb + h * GROUP + g, lse, mask=g_ok)
 
-    _KERNEL = kernel
-    return kernel
+    return {"decode": decode_kernel}

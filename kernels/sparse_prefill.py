@@ -1,12 +1,12 @@
 """NOSA block-sparse prefill attention, forward and backward: Triton kernels + torch reference.
 
-Layout (one sequence, token-major as nosa.attention): q [n, Hq, D]; k [L, Hkv, D], v [L, Hkv, Dv];
+Layout (one sequence, token-major as nosa.attention.math): q [n, Hq, D]; k [L, Hkv, D], v [L, Hkv, Dv];
 cis [L, Hkv]; sel [n, Hkv, K] selected block ids of each query row (-1 = none, as
 nosa.select.select_blocks returns); positions [n] (token position of each row). G = Hq // Hkv.
 
 out[i, h] = softmax_j(scale * q[i, h] . k_j + cis_j) v_j over the tokens j <= positions[i] of the
 blocks sel[i, h // G] (causal inside the current block); lse[i, h] = log sum_j exp(logit_j) (fp32;
--inf and out = 0 for a row with nothing to attend). This is nosa.attention.nosa_prefill's
+-inf and out = 0 for a row with nothing to attend). This is nosa.attention.prefill.attend_selected's
 selected-block attention (the rows past dense_len); tests/test_kernels_prefill.py checks both.
 
 Kernels (InfLLM-v2 style tiling): one program per (tile of TQ consecutive query rows, KV head); the
@@ -22,10 +22,11 @@ programs (one fp32 atomic add per element and chunk).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from nosa.attention import selected_tokens
-from nosa.kernels.slot_decode import interpreting
+from nosa.attention.math import selected_tokens
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -124,12 +125,14 @@ def choose_tile(sel: torch.Tensor, num_blocks: int, group: int) -> int:
 def _consts(q, k, v, topk, block_size, tile):
     import triton
 
+    from nosa.kernels.tile import exact_products
+
     p2 = triton.next_power_of_2
     group = q.shape[1] // k.shape[1]
     return dict(BLOCK=block_size, BLOCK_P=max(16, p2(block_size)), GROUP=group, TQ=tile,
                 M_P=max(16, p2(tile * group)), TOPK=topk, TOPK_P=max(2, p2(topk)),
                 HEAD_DIM=q.shape[2], HEAD_DIM_P=max(16, p2(q.shape[2])), DV=v.shape[2], DV_P=max(16, p2(v.shape[2])),
-                IEEE=q.dtype == torch.float32 or interpreting())
+                IEEE=exact_products(q.dtype))
 
 
 def _prepare(q, k, v, cis, sel, positions, block_size, tile):
@@ -254,16 +257,15 @@ def sparse_prefill(q, k, v, cis, sel, positions, block_size: int, scale: float, 
     return out, lse
 
 
-_KERNELS = None
-
-
-def kernels():
-    """{"forward", "dq", "dkdv"}: the @triton.jit kernels, defined on first use (importing needs no triton)."""
-    global _KERNELS
-    if _KERNELS is not None:
-        return _KERNELS
+@functools.cache
+def kernels() -> dict:
+    """{"forward", "dq", "dkdv"}: the @triton.jit kernels, built on first use (importing needs no triton)."""
+    # module globals, not closure names: under TRITON_INTERPRET=1 a kernel's names resolve in its module
+    global dot, softmax_result, softmax_step, tile_rows
     import triton
     import triton.language as tl
+
+    from nosa.kernels.tile import dot, softmax_result, softmax_step, tile_rows
 
     @triton.jit
     def forward_kernel(Q, K, V, CIS, SEL, POS, UNION, COUNT, OUT, LSE,
@@ -274,10 +276,7 @@ def kernels():
                        HEAD_DIM_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr, IEEE: tl.constexpr):
         tile = tl.program_id(0)
         h = tl.program_id(1)
-        r = tl.arange(0, M_P)  # matrix row = (token of the tile, query head of the group)
-        row = (tile * TQ + r // GROUP).to(tl.int64)
-        head = h * GROUP + r % GROUP
-        r_ok = (r < TQ * GROUP) & (row < N)
+        row, head, r_ok = tile_rows(tile, h, tl.arange(0, M_P), N, GROUP, TQ)
         d = tl.arange(0, HEAD_DIM_P)
         e = tl.arange(0, DV_P)
         t = tl.arange(0, BLOCK_P)
@@ -302,24 +301,9 @@ def kernels():
             v = tl.load(V + tok[:, None] * svl + h * svh + e[None, :], mask=t_ok[:, None] & (e < DV)[None, :],
                         other=0.0)
             c = tl.load(CIS + tok * scl + h * sch, mask=t_ok, other=0.0)
-            if IEEE:  # fp32 products (tf32 would lose 3 digits); also the interpreter's (its bf16 dot is wrong)
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(ok, s * scale + c[None, :], float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        has = denom > 0
-        out = tl.where(has[:, None], acc / tl.where(has, denom, 1.0)[:, None], 0.0)
-        lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
+            s = tl.where(ok, dot(q, tl.trans(k), IEEE) * scale + c[None, :], float("-inf"))
+            m, denom, acc = softmax_step(s, v, m, denom, acc, IEEE)
+        out, lse = softmax_result(m, denom, acc)
         tl.store(OUT + row[:, None] * son + head[:, None] * soh + e[None, :], out.to(OUT.dtype.element_ty),
                  mask=r_ok[:, None] & (e < DV)[None, :])
         tl.store(LSE + row * sln + head, lse, mask=r_ok)
@@ -333,10 +317,7 @@ def kernels():
                   HEAD_DIM_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr, IEEE: tl.constexpr):
         tile = tl.program_id(0)
         h = tl.program_id(1)
-        r = tl.arange(0, M_P)
-        row = (tile * TQ + r // GROUP).to(tl.int64)
-        head = h * GROUP + r % GROUP
-        r_ok = (r < TQ * GROUP) & (row < N)
+        row, head, r_ok = tile_rows(tile, h, tl.arange(0, M_P), N, GROUP, TQ)
         d = tl.arange(0, HEAD_DIM_P)
         e = tl.arange(0, DV_P)
         t = tl.arange(0, BLOCK_P)
@@ -364,18 +345,11 @@ def kernels():
             k = tl.load(K + tok[:, None] * skl + h * skh + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(V + tok[:, None] * svl + h * svh + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0)
             c = tl.load(CIS + tok * scl + h * sch, mask=t_ok, other=0.0)
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-                dp = tl.dot(do.to(tl.float32), tl.trans(v.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-                dp = tl.dot(do, tl.trans(v))
+            s = dot(q, tl.trans(k), IEEE)
+            dp = dot(do, tl.trans(v), IEEE)
             p = tl.where(ok, tl.exp(s * scale + c[None, :] - lse[:, None]), 0.0)  # [M_P, BLOCK_P]
             ds = p * (dp - delta[:, None])  # d loss / d logit
-            if IEEE:
-                dq += tl.dot(ds, k.to(tl.float32), input_precision="ieee") * scale
-            else:
-                dq += tl.dot(ds.to(k.dtype), k) * scale
+            dq += dot(ds, k, IEEE) * scale
         tl.store(DQ + row[:, None] * sqn + head[:, None] * sqh + d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=r_ok[:, None] & d_ok[None, :])
 
@@ -407,10 +381,7 @@ def kernels():
         dv = tl.zeros([BLOCK_P, DV_P], tl.float32)
         dc = tl.zeros([BLOCK_P], tl.float32)
         for i in range(lo, hi):
-            tile = tl.load(TILES + i)
-            row = (tile * TQ + r // GROUP).to(tl.int64)
-            head = h * GROUP + r % GROUP
-            r_ok = (r < TQ * GROUP) & (row < N)
+            row, head, r_ok = tile_rows(tl.load(TILES + i), h, r, N, GROUP, TQ)
             q = tl.load(Q + row[:, None] * sqn + head[:, None] * sqh + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
                         other=0.0)
             do = tl.load(DO + row[:, None] * sdn + head[:, None] * sdh + e[None, :],
@@ -423,20 +394,12 @@ def kernels():
                            mask=r_ok[:, None] & (kk < TOPK)[None, :], other=-1)
             member = tl.max((mine == blk).to(tl.int32), 1) > 0
             ok = member[:, None] & (tok[None, :] <= pos[:, None]) & t_ok[None, :]
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-                dp = tl.dot(do.to(tl.float32), tl.trans(v.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-                dp = tl.dot(do, tl.trans(v))
+            s = dot(q, tl.trans(k), IEEE)
+            dp = dot(do, tl.trans(v), IEEE)
             p = tl.where(ok, tl.exp(s * scale + c[None, :] - lse[:, None]), 0.0)  # [M_P, BLOCK_P]
             ds = p * (dp - delta[:, None])
-            if IEEE:
-                dv += tl.dot(tl.trans(p), do.to(tl.float32), input_precision="ieee")
-                dk += tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="ieee")
-            else:
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dv += dot(tl.trans(p), do, IEEE)
+            dk += dot(tl.trans(ds), q, IEEE)
             dc += tl.sum(ds, 0)
         w_ok = w < NUM_WORK
         tl.atomic_add(GV + tok[:, None] * sgvl + h * sgvh + e[None, :], dv, mask=w_ok & t_ok[:, None] & e_ok[None, :])
@@ -444,5 +407,4 @@ def kernels():
                       mask=w_ok & t_ok[:, None] & d_ok[None, :])
         tl.atomic_add(GCIS + tok * sgcl + h, dc, mask=w_ok & t_ok)
 
-    _KERNELS = {"forward": forward_kernel, "dq": dq_kernel, "dkdv": dkdv_kernel}
-    return _KERNELS
+    return {"forward": forward_kernel, "dq": dq_kernel, "dkdv": dkdv_kernel}

@@ -1,14 +1,17 @@
 """NOSA decode: one query per sequence per step with incremental state, the path serving and
-generate() use. A step is three parts that other code can sit between:
+generate() use. A step is three parts that other code can sit between, each a public function so
+that a caller (the SGLang backend) can run them in a straight line and act between them:
 
 1. select (``decode_select``): per sequence only the q . compressed-key product (its compressed
    keys are its own), then one batched selection (nosa.select) for the whole batch; each state
-   records which blocks entered and which left;
-2. resolve (``KVView.resolve``, nosa.kv): make the selected blocks readable and say where they are
+   records which blocks entered and which left. ``decode_blocks`` turns the selection into the
+   blocks each sequence reads (every block for a sequence within dense_len);
+2. resolve (``KVView.resolve``, nosa.kv): make those blocks readable and say where they are
    (a token-slot pool reads them in place; the offloading server diffs them against its device
    block cache and recalls the misses from host memory);
-3. attend (``nosa.attention_math.attend_gathered``): attention over those rows, returning (out, lse) so
-   that partial results over disjoint block sets merge exactly.
+3. attend (``attend_resolved``): attention over the resolved rows (a GPU kernel when one fits,
+   else ``nosa.attention.math.attend_gathered``), returning (out, lse) so that partial results over
+   disjoint block sets merge exactly.
 ``decode_attend`` runs the three for a batch; ``NosaDecodeState.attend`` for one sequence.
 
 Layout: q [R, Hq, D] (one row per decoding sequence). K, V and the eviction scores cis live in a
@@ -19,15 +22,18 @@ only.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from nosa.attention import NEG_INF, attend_gathered
+from nosa.attention.gathered import chunk_end, default_row_chunk
+from nosa.attention.math import NEG_INF, attend_gathered, dense_attention
+from nosa.attention.prefill import attend_selected
 from nosa.compress import compress_windows, pool_to_blocks
 from nosa.config import NosaConfig
 from nosa.eviction import block_means
 from nosa.kv import ContiguousKV
-from nosa.select import block_scores_from_logits, select_blocks, selection_change, static_selection
+from nosa.select import block_scores_from_logits, query_block_scores, select_blocks, selection_change, static_selection
 
 
 class NosaDecodeState:
@@ -130,15 +136,12 @@ class NosaDecodeState:
         selected from them, and each chunk of ``row_chunk`` rows gathers the union of its rows'
         blocks (``kv.gather_blocks``), never the whole context: the offloading server's prefill.
         """
-        from nosa.attention import attend_selected, dense_attention
-        from nosa.select import query_block_scores
-
         cfg = self.cfg
         self.append(kv, seq)
         n, length = q.shape[0], self.length
         first, num_blocks = length - n, cfg.num_blocks(length)
         if row_chunk is None:
-            row_chunk = max(1, round(64 / cfg.block_size)) * cfg.block_size
+            row_chunk = default_row_chunk(cfg)
         positions = torch.arange(first, length, device=q.device)
         with torch.no_grad():
             ck = self.compressed_keys.transpose(0, 1)  # [C, Hkv, D]
@@ -154,8 +157,8 @@ class NosaDecodeState:
             k, v, _ = kv.gather_blocks(seq, torch.arange(cfg.num_blocks(context), device=q.device), cfg.block_size)
             outs.append(dense_attention(q[:dense_rows], k[:context], v[:context], scale))
         start = dense_rows
-        while start < n:  # chunks aligned to multiples of row_chunk in absolute position
-            stop = min(n, (first + start) // row_chunk * row_chunk + row_chunk - first)
+        while start < n:
+            stop = min(n, chunk_end(first + start, row_chunk) - first)
             rows_sel = sel[start:stop]
             union = torch.unique(rows_sel[rows_sel >= 0])  # ascending block ids, every KV head
             k, v, cis = kv.gather_blocks(seq, union, cfg.block_size)
@@ -210,6 +213,47 @@ def decode_select(states: Sequence[NosaDecodeState], q: torch.Tensor, scale: flo
     return sel
 
 
+class DecodeBlocks(NamedTuple):
+    """What each sequence of a decode step reads: blocks [R, Hkv, W] (its selection, or every block
+    for a sequence within dense_len; -1 padded), lengths [R] (its tokens) and dense [R] (bool: within
+    dense_len, attended with no exp(cis) weighting)."""
+
+    blocks: torch.Tensor
+    lengths: torch.Tensor
+    dense: torch.Tensor
+
+
+def decode_blocks(states: Sequence[NosaDecodeState], sel: torch.Tensor) -> DecodeBlocks:
+    """The blocks to resolve for selections ``sel`` [R, Hkv, K] (``decode_select``) of the states'
+    last tokens: sequences above dense_len read only their selected blocks (K * block_size tokens
+    per KV head), the others every block, as in ``nosa_prefill``."""
+    cfg = states[0].cfg
+    rows = sel.shape[0]
+    lengths = torch.tensor([s.length for s in states], device=sel.device)
+    dense = lengths <= cfg.dense_len  # [R]
+    blocks = sel
+    if bool(dense.any()):  # dense rows read every block: widen to the longest dense context
+        width = max(cfg.topk_blocks, cfg.num_blocks(int(lengths[dense].max())))
+        every = torch.arange(width, device=sel.device).expand(rows, sel.shape[1], width)
+        every = torch.where(every < ((lengths - 1) // cfg.block_size + 1)[:, None, None], every, -1)
+        padded = torch.nn.functional.pad(sel, (0, width - sel.shape[-1]), value=-1)
+        blocks = torch.where(dense[:, None, None], every, padded)
+    return DecodeBlocks(blocks, lengths, dense)
+
+
+def attend_resolved(q: torch.Tensor, found, dense: torch.Tensor, block_size: int, scale: float):
+    """Attention of q [R, Hq, D] over the resolved blocks ``found`` (nosa.kv.DeviceRows):
+    (out [R, Hq, D], lse [R, Hq] float32). Keys are weighted by exp(cis) except in the ``dense``
+    [R] rows; a GPU kernel runs when the blocks come in a form it reads and no row is dense."""
+    fast = None if bool(dense.any()) else _kernel_attend(q, found, block_size, scale)
+    if fast is not None:
+        return fast
+    cis = found.cis.index_select(0, found.rows.flatten()).view_as(found.rows).float()
+    cis = torch.where(dense[:, None, None], 0.0, cis)
+    bias = torch.where(found.valid, cis, NEG_INF)  # [R, Hkv, T]
+    return attend_gathered(q, found.k, found.v, found.rows, bias, scale)
+
+
 def decode_attend(
     states: Sequence[NosaDecodeState], q: torch.Tensor, kv, scale: float, return_lse: bool = False
 ):
@@ -217,33 +261,16 @@ def decode_attend(
     ``return_lse``), the last token of each sequence; ``kv`` a KV view (nosa.kv) whose sequence i
     is ``states[i]``'s.
 
-    select -> resolve -> attend: one selection for the whole batch (``decode_select``); sequences
-    above dense_len read only their selected blocks (K * block_size tokens per KV head), weighted
-    by exp(cis); the others read every block with no weighting (dense attention), as in
-    ``nosa_prefill``. ``kv.resolve`` is called once for the batch."""
+    select -> resolve -> attend: one selection for the whole batch (``decode_select``), the blocks
+    each sequence reads (``decode_blocks``), ``kv.resolve`` once for the batch, then
+    ``attend_resolved``."""
     cfg = states[0].cfg
     rows = q.shape[0]
     if len(states) != rows:
         raise ValueError(f"decode_attend: {len(states)} states for {rows} query rows")
-    sel = decode_select(states, q, scale)
-    lengths = torch.tensor([s.length for s in states], device=q.device)
-    dense = lengths <= cfg.dense_len  # [R]
-    blocks = sel
-    if bool(dense.any()):  # dense rows read every block: widen to the longest dense context
-        width = max(cfg.topk_blocks, cfg.num_blocks(int(lengths[dense].max())))
-        every = torch.arange(width, device=q.device).expand(rows, sel.shape[1], width)
-        every = torch.where(every < ((lengths - 1) // cfg.block_size + 1)[:, None, None], every, -1)
-        padded = torch.nn.functional.pad(sel, (0, width - sel.shape[-1]), value=-1)
-        blocks = torch.where(dense[:, None, None], every, padded)
-    found = kv.resolve(blocks, lengths, cfg.block_size)
-    fast = None if bool(dense.any()) else _kernel_attend(q, found, cfg.block_size, scale)
-    if fast is not None:
-        out, lse = fast
-    else:
-        cis = found.cis.index_select(0, found.rows.flatten()).view_as(found.rows).float()
-        cis = torch.where(dense[:, None, None], 0.0, cis)
-        bias = torch.where(found.valid, cis, NEG_INF)  # [R, Hkv, T]
-        out, lse = attend_gathered(q, found.k, found.v, found.rows, bias, scale)
+    wanted = decode_blocks(states, decode_select(states, q, scale))
+    found = kv.resolve(wanted.blocks, wanted.lengths, cfg.block_size)
+    out, lse = attend_resolved(q, found, wanted.dense, cfg.block_size, scale)
     return (out, lse) if return_lse else out
 
 
@@ -258,9 +285,9 @@ def _kernel_attend(q, found, block_size: int, scale: float):
     if found.slots is not None:
         return ops.slot_decode(q, *found.items, found.slots, found.fill, scale)
     if found.paged is not None:
-        k_pool, v_pool, cis_pool, table, blocks, lengths = found.paged
-        return ops.paged_sparse_decode(q, k_pool, v_pool, cis_pool, table.int(), blocks.int(), lengths.int(),
-                                       block_size, scale)
+        paged = found.paged
+        return ops.paged_sparse_decode(q, paged.k_pool, paged.v_pool, paged.cis_pool, paged.token_table.int(),
+                                       paged.blocks.int(), paged.lengths.int(), block_size, scale)
     return None
 
 

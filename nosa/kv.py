@@ -2,7 +2,7 @@
 
 ``NosaDecodeState`` keeps selection state only (compressed keys, static block keys, the previous
 selection). Everything per token (K, V and the eviction score ``cis``) stays in a pool that the
-caller owns, and the decode path reaches it through one small object, a KV view, with two duties:
+caller owns, and the decode path reaches it through one small object, a KV view, with three duties:
 
 - ``keys(i, lo, hi)`` / ``cis(i, lo, hi)``: tokens ``[lo, hi)`` of sequence ``i`` ([n, Hkv, D] and
   [n, Hkv] float32), read when a state appends tokens (the newest compressed window, completed
@@ -16,18 +16,32 @@ caller owns, and the decode path reaches it through one small object, a KV view,
 
 The views here read pools that attention can index directly: ``ContiguousKV`` (one sequence, the
 HF cache) and ``PagedKV`` (SGLang's token-slot pool behind ``req_to_token``). The offloading
-server's view (``nosa.serve.offload``) resolves by diffing against the blocks resident in a
-device block cache and recalling the misses from host memory. Shapes: R sequences, Hkv KV heads,
+server's view (``nosa.serve.offload.kv.OffloadKV``) resolves by diffing against the blocks resident
+in a device block cache and recalling the misses from host memory. Shapes: R sequences, Hkv KV heads,
 D head dim, B block size, W blocks per (sequence, head), -1 = no block.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from nosa.attention import selected_tokens
+from nosa.attention.math import selected_tokens
+
+
+class PagedBlocks(NamedTuple):
+    """Resolved blocks as a token-slot pool holds them, the form nosa.ops.paged_sparse_decode reads:
+    k_pool, v_pool [N, Hkv, D], cis_pool [N, Hkv]; token_table [R, T] (pool slot of token t of
+    sequence i); blocks [R, Hkv, W] (-1 = none); lengths [R] (tokens)."""
+
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    cis_pool: torch.Tensor
+    token_table: torch.Tensor
+    blocks: torch.Tensor
+    lengths: torch.Tensor
 
 
 @dataclass
@@ -44,12 +58,11 @@ class DeviceRows:
     # The same blocks in the form the GPU kernels take (nosa.ops), when the view has one:
     # a block cache: items (k [S, B, D], v, cis [S, B]), slots [R, Hkv, W] (-1 = none) and fill
     # [R, Hkv, W] (valid tokens from the block start) -> nosa.ops.slot_decode;
-    # a token-slot pool: paged = (k_pool, v_pool, cis_pool, token_table [R, T], blocks [R, Hkv, W],
-    # lengths [R]) -> nosa.ops.paged_sparse_decode.
+    # a token-slot pool: paged -> nosa.ops.paged_sparse_decode.
     items: tuple | None = None
     slots: torch.Tensor | None = None
     fill: torch.Tensor | None = None
-    paged: tuple | None = None
+    paged: PagedBlocks | None = None
 
 
 class ContiguousKV:
@@ -112,8 +125,9 @@ class PagedKV:
         where = self.table_rows.to(tokens.device)[:, None, None] * self.slot_table.shape[1] + tokens
         slots = self.slot_table.reshape(-1).index_select(0, where.flatten()).view_as(tokens).long()
         found = _token_rows(self.k_pool, self.v_pool, self.cis_pool, slots, valid)
-        found.paged = (self.k_pool, self.v_pool, self.cis_pool,
-                       self.slot_table.index_select(0, self.table_rows.to(self.slot_table.device)), blocks, lengths)
+        found.paged = PagedBlocks(self.k_pool, self.v_pool, self.cis_pool,
+                                  self.slot_table.index_select(0, self.table_rows.to(self.slot_table.device)), blocks,
+                                  lengths)
         return found
 
     def gather_blocks(self, i: int, blocks: torch.Tensor, block_size: int):

@@ -1,6 +1,6 @@
 """One function per NOSA GPU op: the Triton kernel on CUDA tensors, the torch reference on CPU.
 
-Callers (nosa.attention on CUDA, the offloading engine in nosa.serve) never pick an
+Callers (nosa.attention.prefill on CUDA, the offloading engine in nosa.serve) never pick an
 implementation themselves. ``NOSA_KERNELS`` overrides the choice:
 
 - unset or ``auto``: Triton when any tensor argument is on CUDA, else the reference;

@@ -42,10 +42,9 @@ import dataclasses
 
 import torch
 
+from nosa.attention.math import NEG_INF
 from nosa.compress import pool_to_blocks
 from nosa.config import NosaConfig
-
-NEG_INF = float("-inf")
 
 
 def query_block_scores(

@@ -9,8 +9,8 @@ import os
 import shutil
 
 
-def _server(ckpt, args, log, env=None, threads=None):
-    from nosa.serve.process import ServerProcess
+def start_server(ckpt, args, log, env=None, threads=None):
+    from nosa.serve.tools.process import ServerProcess
 
     env = dict(env or {})
     if threads:
@@ -21,12 +21,12 @@ def _server(ckpt, args, log, env=None, threads=None):
                          log, env=env).wait_ready(timeout=600)
 
 
-def _offload_env(host, device, stats):
+def offload_env(host, device, stats):
     return {"NOSA_OFFLOAD": "1", "NOSA_HOST_KV_TOKENS": str(host), "NOSA_DEVICE_KV_TOKENS": str(device),
             "NOSA_SERVE_STATS_FILE": stats}
 
 
-def _zero_heads_copy(ckpt: str, dest: str) -> str:
+def zero_heads_copy(ckpt: str, dest: str) -> str:
     """The checkpoint with every eviction head's A set to 0 (training-free selection)."""
     import torch
     from safetensors.torch import load_file, save_file
@@ -42,7 +42,7 @@ def _zero_heads_copy(ckpt: str, dest: str) -> str:
     return dest
 
 
-def _task_prompts(ckpt: str, length: int, count: int, seed: int) -> list[list[int]]:
+def task_prompts(ckpt: str, length: int, count: int, seed: int) -> list[list[int]]:
     """Synthetic examples of the run's own tasks (nosa_train.json) at ``length`` tokens, up to the answer."""
     from transformers import AutoTokenizer
 
@@ -61,7 +61,7 @@ def _task_prompts(ckpt: str, length: int, count: int, seed: int) -> list[list[in
     return prompts
 
 
-def _decode_setup(args):
+def decode_setup(args):
     """Contexts of the decode parts, and mode -> (server flags, environment) for their servers:
     "off" (KV in SGLang's pool), "on" (offloaded, a device budget of ``batch`` requests), "scheduled"
     (offloaded, with the recall scheduler)."""
@@ -77,7 +77,7 @@ def _decode_setup(args):
     def server_args(mode: str, stats: str):
         if mode == "off":
             return [*common, "--max-total-tokens", str(host)], {}
-        env = _offload_env(host, args.batch * cfg.budget_tokens, stats)
+        env = offload_env(host, args.batch * cfg.budget_tokens, stats)
         if mode == "scheduled":
             env["NOSA_RECALL_SCHEDULER"] = "1"
         return [*common, "--page-size", str(cfg.block_size)], env

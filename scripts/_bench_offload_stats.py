@@ -1,5 +1,5 @@
 """What scripts/bench_offload.py reads from a server's stats file ($NOSA_SERVE_STATS_FILE): the
-offloading counters (hit rate, recalled blocks) and the per-step timeline (nosa.serve.step_stats),
+offloading counters (hit rate, recalled blocks) and the per-step timeline (nosa.serve.offload.stats),
 polled while a part runs and summed into stall share and prefetch hit rates."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import os
 
 
-def _counters(stats_file: str) -> dict:
+def offload_counters(stats_file: str) -> dict:
     with open(stats_file) as f:
         off = json.load(f)["offload"]
     total = {k: sum(v) for k, v in off.items() if k != "max_warm_misses"}
@@ -21,12 +21,12 @@ def _counters(stats_file: str) -> dict:
     }
 
 
-def _timeline(stats_file: str, since: float) -> list[dict]:
+def read_timeline(stats_file: str, since: float) -> list[dict]:
     with open(stats_file) as f:
         return [r for r in json.load(f).get("timeline", []) if r["time"] >= since]
 
 
-class _TimelineRecorder:
+class TimelineRecorder:
     """Every step record of a server's stats file from ``since`` on. The file holds only the newest 256
     steps and is rewritten at most once a second, so it is polled and the records merged by step."""
 
@@ -42,7 +42,7 @@ class _TimelineRecorder:
     def _poll(self) -> None:
         if os.path.exists(self.stats_file):
             try:
-                for r in _timeline(self.stats_file, self.since):
+                for r in read_timeline(self.stats_file, self.since):
                     self.records[r["step"]] = r
             except (json.JSONDecodeError, OSError):
                 pass  # replaced while read: the next poll reads it
@@ -58,7 +58,7 @@ class _TimelineRecorder:
         return [self.records[k] for k in sorted(self.records)]
 
 
-def _timeline_summary(records: list[dict], batch: int | None = None) -> dict:
+def summarize_timeline(records: list[dict], batch: int | None = None) -> dict:
     if batch is not None:
         records = [r for r in records if r["batch"] == batch] or records
     if not records:

@@ -47,11 +47,13 @@ SPARSE_KEYS = ("entering_mean", "entering_max", "hit_rate", "mass")
 
 
 def run_config(nosa_path: str) -> dict:
-    path = os.path.join(nosa_path, "nosa_train.json")
-    if not os.path.isfile(path):
-        raise SystemExit(f"bench_accuracy: {path} not found (a checkpoint written by python -m nosa.train)")
-    with open(path) as f:
-        return json.load(f)
+    """The training config saved with the fine-tuned checkpoint (its data, tasks and placement)."""
+    from nosa.train.checkpoint import read_run_config
+
+    try:
+        return read_run_config(nosa_path)
+    except ValueError as err:
+        raise SystemExit(f"bench_accuracy: {err}") from None
 
 
 def heldout(tokenizer, train_cfg: dict, cfg, length: int, count: int, seed: int) -> list[dict]:
@@ -100,7 +102,7 @@ def measure(model, examples, cfg, sparse: bool) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from nosa.attention import nosa_prefill
+    from nosa.attention.prefill import nosa_prefill
     from nosa.eviction import MODULE_NAME
     from nosa.hf import capture_attention_inputs
     from nosa.select import blocks_entering

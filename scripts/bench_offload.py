@@ -17,7 +17,7 @@
 - ``schedule``: the same decode step with offloading off, on, and on with the recall scheduler
   ($NOSA_RECALL_SCHEDULER=1: the next layer's predicted blocks prefetched while a layer computes),
   the stall share of the step and the prefetch hit rate per layer (demand misses avoided), from
-  the server's per-step timeline (nosa.serve.step_stats). The three servers are up at once and
+  the server's per-step timeline (nosa.serve.offload.stats). The three servers are up at once and
   ``--repeats`` off / on + scheduler pairs interleave (a shared machine's load drifts): each
   repeat's ratio and the median are reported.
 - ``trace``: Poisson arrivals of requests of mixed lengths (log-uniform in ``--trace-lengths``,
@@ -41,8 +41,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from _bench_offload_setup import _decode_setup, _offload_env, _server, _task_prompts, _zero_heads_copy  # noqa: E402
-from _bench_offload_stats import _counters, _timeline, _timeline_summary, _TimelineRecorder  # noqa: E402
+from _bench_offload_setup import decode_setup, offload_env, start_server, task_prompts, zero_heads_copy  # noqa: E402
+from _bench_offload_stats import TimelineRecorder, offload_counters, read_timeline, summarize_timeline  # noqa: E402
 
 
 # ---- hit rate: trained eviction heads vs A = 0 ------------------------------------------------
@@ -55,22 +55,22 @@ def bench_hitrate(args, work) -> dict:
         raise SystemExit(f"{args.checkpoint} is not a NOSA checkpoint (no 'nosa' section): run the quickstart first")
     train_len = args.train_length
     lengths = [train_len, 2 * train_len] if args.quick else [train_len, 2 * train_len, 4 * train_len]
-    variants = {"nosa": args.checkpoint, "a0": _zero_heads_copy(args.checkpoint, os.path.join(work, "a0"))}
+    variants = {"nosa": args.checkpoint, "a0": zero_heads_copy(args.checkpoint, os.path.join(work, "a0"))}
     rows = []
     for name, ckpt in variants.items():
         stats = os.path.join(work, f"{name}_stats.json")
         budget = cfg.budget_tokens
-        server = _server(ckpt, ["--attention-backend", "nosa", "--page-size", str(cfg.block_size),
-                                "--context-length", str(max(lengths) + args.new_tokens + 64)],
-                         os.path.join(work, f"{name}.log"),
-                         _offload_env(8 * max(lengths) + 4096, args.batch * budget, stats), args.threads)
+        server = start_server(ckpt, ["--attention-backend", "nosa", "--page-size", str(cfg.block_size),
+                                     "--context-length", str(max(lengths) + args.new_tokens + 64)],
+                              os.path.join(work, f"{name}.log"),
+                              offload_env(8 * max(lengths) + 4096, args.batch * budget, stats), args.threads)
         try:
             for length in lengths:
-                before = _counters(stats) if os.path.exists(stats) else None
-                for p in _task_prompts(ckpt, length, args.prompts, seed=1000 + length):
+                before = offload_counters(stats) if os.path.exists(stats) else None
+                for p in task_prompts(ckpt, length, args.prompts, seed=1000 + length):
                     server.generate(p, args.new_tokens)
                 time.sleep(1.0)
-                after = _counters(stats)
+                after = offload_counters(stats)
                 row = {"selection": name, "context": length, "blocks": cfg.num_blocks(length),
                        "budget_blocks": cfg.topk_blocks}
                 for key in ("warm_selected", "warm_misses", "recalled_blocks", "recalled_bytes"):
@@ -100,9 +100,9 @@ def bench_capacity(args, work, ckpt) -> dict:
     g = torch.Generator().manual_seed(0)
     out = {"device_kv_tokens": device}
     # torch_native: its KV pool is the device memory; the longest prompt it accepts
-    server = _server(ckpt, ["--attention-backend", "torch_native", "--max-total-tokens", str(device),
-                            "--context-length", str(context)], os.path.join(work, "native_cap.log"),
-                     threads=args.threads)
+    server = start_server(ckpt, ["--attention-backend", "torch_native", "--max-total-tokens", str(device),
+                                 "--context-length", str(context)], os.path.join(work, "native_cap.log"),
+                          threads=args.threads)
     try:
         fits = device - args.new_tokens - 8
         ok = server.post("/generate", {"input_ids": torch.randint(0, 256, (fits,), generator=g).tolist(),
@@ -114,9 +114,9 @@ def bench_capacity(args, work, ckpt) -> dict:
     finally:
         server.stop()
     stats = os.path.join(work, "cap_stats.json")
-    server = _server(ckpt, ["--attention-backend", "nosa", "--page-size", "64", "--context-length", str(context),
-                            "--chunked-prefill-size", "4096"], os.path.join(work, "nosa_cap.log"),
-                     _offload_env(context + 4096, device, stats), args.threads)
+    server = start_server(ckpt, ["--attention-backend", "nosa", "--page-size", "64", "--context-length", str(context),
+                                 "--chunked-prefill-size", "4096"], os.path.join(work, "nosa_cap.log"),
+                          offload_env(context + 4096, device, stats), args.threads)
     try:
         prompt = torch.randint(0, 256, (context - args.new_tokens - 8,), generator=g).tolist()
         start = time.perf_counter()
@@ -126,7 +126,7 @@ def bench_capacity(args, work, ckpt) -> dict:
         out["nosa_offload"] = {"served_context": len(prompt) + args.new_tokens if status == 200 else None,
                                "status": status, "seconds": round(seconds, 1),
                                "generated": len(body["output_ids"]) if status == 200 else str(body)[:200],
-                               **_counters(stats)}
+                               **offload_counters(stats)}
     finally:
         server.stop()
     if out["torch_native"]["served_context"] and out["nosa_offload"]["served_context"]:
@@ -138,18 +138,18 @@ def bench_capacity(args, work, ckpt) -> dict:
 def bench_decode(args, work, ckpt) -> dict:
     from bench_serve import measure
 
-    contexts, server_args = _decode_setup(args)
+    contexts, server_args = decode_setup(args)
     rows = []
     for mode in ("off", "on"):
         stats = os.path.join(work, f"decode_{mode}_stats.json")
         flags, env = server_args(mode, stats)
-        server = _server(ckpt, flags, os.path.join(work, f"decode_{mode}.log"), env, args.threads)
+        server = start_server(ckpt, flags, os.path.join(work, f"decode_{mode}.log"), env, args.threads)
         try:
             measure(server, 512, args.batch, 16)  # warm-up
             for context in contexts:
                 row = {"offload": mode, **measure(server, context, args.batch, args.decode_tokens)}
                 if mode == "on":
-                    row.update(_counters(stats))
+                    row.update(offload_counters(stats))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
         finally:
@@ -171,15 +171,15 @@ def bench_schedule(args, work, ckpt) -> dict:
 
     from bench_serve import measure
 
-    contexts, server_args = _decode_setup(args)
+    contexts, server_args = decode_setup(args)
     repeats = 1 if args.quick else args.repeats
     rows, servers, stats = [], {}, {}
     try:
         for mode in ("off", "on", "scheduled"):
             stats[mode] = os.path.join(work, f"sched_{mode}_stats.json")
             flags, env = server_args(mode, stats[mode])
-            servers[mode] = _server(ckpt, [*flags, "--sleep-on-idle"], os.path.join(work, f"sched_{mode}.log"), env,
-                                    args.threads)
+            servers[mode] = start_server(ckpt, [*flags, "--sleep-on-idle"], os.path.join(work, f"sched_{mode}.log"),
+                                         env, args.threads)
         for server in servers.values():
             measure(server, 512, args.batch, 16)  # warm-up
         for context in contexts:
@@ -190,7 +190,7 @@ def bench_schedule(args, work, ckpt) -> dict:
                                                                   args.decode_tokens)}
                     if mode != "off":
                         time.sleep(1.5)
-                        row.update(_timeline_summary(_timeline(stats[mode], since), args.batch))
+                        row.update(summarize_timeline(read_timeline(stats[mode], since), args.batch))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     finally:
@@ -216,7 +216,7 @@ def bench_trace(args, work, ckpt) -> dict:
     import statistics
     import threading
 
-    from bench_serve import _stream
+    from bench_serve import stream_generate
 
     from nosa.config import NosaConfig
 
@@ -237,23 +237,23 @@ def bench_trace(args, work, ckpt) -> dict:
            "new_tokens": args.trace_new_tokens, "rate_per_s": rate}
     for mode in ("admission_off", "admission_on"):
         stats = os.path.join(work, f"trace_{mode}_stats.json")
-        env = {**_offload_env(host, device, stats), "NOSA_RECALL_SCHEDULER": "1"}
+        env = {**offload_env(host, device, stats), "NOSA_RECALL_SCHEDULER": "1"}
         if mode == "admission_on":
             env.update({"NOSA_ADMISSION": "1", "NOSA_DEVICE_EXTRA_SLOTS": str(args.trace_extra_slots)})
-        server = _server(ckpt, ["--attention-backend", "nosa", "--page-size", str(cfg.block_size),
-                                "--context-length", str(hi + args.trace_new_tokens + 64), "--chunked-prefill-size",
-                                "4096"], os.path.join(work, f"trace_{mode}.log"), env, args.threads)
+        server = start_server(ckpt, ["--attention-backend", "nosa", "--page-size", str(cfg.block_size),
+                                     "--context-length", str(hi + args.trace_new_tokens + 64), "--chunked-prefill-size",
+                                     "4096"], os.path.join(work, f"trace_{mode}.log"), env, args.threads)
         try:
-            _stream(server.url, prompts[0][:256], 4, time.perf_counter(), [])  # warm-up
+            stream_generate(server.url, prompts[0][:256], 4, time.perf_counter(), [])  # warm-up
             time.sleep(1.5)
             start = time.perf_counter()
             since = time.time()
-            recorder = _TimelineRecorder(stats, since)
+            recorder = TimelineRecorder(stats, since)
             streams = [[] for _ in prompts]
 
             def run(i):
                 time.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
-                _stream(server.url, prompts[i], args.trace_new_tokens, start, streams[i])
+                stream_generate(server.url, prompts[i], args.trace_new_tokens, start, streams[i])
 
             threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
             for th in threads:
@@ -273,7 +273,7 @@ def bench_trace(args, work, ckpt) -> dict:
                    "ttft_s_p99": round(sorted(ttft)[min(len(ttft) - 1, int(0.99 * len(ttft)))], 2),
                    "tpot_ms_per_request": [round(1000 * x, 1) for x in tpot],
                    "ttft_s_per_request": [round(x, 2) for x in ttft],
-                   "max_batch": max((r["batch"] for r in timeline), default=0), **_timeline_summary(timeline)}
+                   "max_batch": max((r["batch"] for r in timeline), default=0), **summarize_timeline(timeline)}
             with open(stats) as f:
                 final = json.load(f)
             row["admission"] = final.get("admission")

@@ -10,7 +10,8 @@ Llama-3-8B-shaped items by default: 64 tokens x 128 dims bf16 = 16 KiB each for 
 - on CUDA also the link itself (one 1 GiB pinned host -> device copy) and, when sgl_kernel is
   installed, SGLang HiCache's transfer_kv_per_layer on the same K and V items.
 Items are drawn at random from a host pool larger than the caches, into random device slots.
-Targets (issue 8, benchmark 2): batched >= 4x per_block and >= 80% of one_copy.
+Targets: batched >= 4x per_block (one call instead of 3 M small copies) and >= 80% of one_copy
+(the gather costs little beyond the bytes it moves).
 
     python scripts/bench_recall.py --quick            # CPU, a few seconds
     python scripts/bench_recall.py --out results/gpu/recall_gpu.json   # on a GPU (gpu_check.sh)

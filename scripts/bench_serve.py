@@ -27,10 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build_model(path: str) -> None:
+    from nosa.serve.tools.tiny_checkpoint import make_tokenizer
     from nosa.tiny import tiny_llama
-
-    sys.path.insert(0, os.path.join(ROOT, "tests", "serve"))
-    from sglang_tiny import make_tokenizer
 
     model = tiny_llama(layers=2, hidden=256, heads=8, kv_heads=2, vocab=320, seed=0, intermediate=512,
                        max_positions=131072, bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
@@ -38,7 +36,7 @@ def build_model(path: str) -> None:
     make_tokenizer(path)
 
 
-def _stream(url: str, prompt: list[int], new_tokens: int, start: float, out: list) -> None:
+def stream_generate(url: str, prompt: list[int], new_tokens: int, start: float, out: list) -> None:
     """Greedy generation with streaming; appends (seconds since ``start``, tokens so far) per chunk."""
     body = {"input_ids": prompt, "stream": True,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}}
@@ -69,7 +67,7 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
     prompts = [torch.randint(0, 256, (context,), generator=g).tolist() for _ in range(batch)]
     start = time.perf_counter()
     streams = [[] for _ in prompts]
-    threads = [threading.Thread(target=_stream, args=(server.url, p, new_tokens, start, out))
+    threads = [threading.Thread(target=stream_generate, args=(server.url, p, new_tokens, start, out))
                for p, out in zip(prompts, streams)]
     for t in threads:
         t.start()
@@ -108,7 +106,7 @@ def main() -> None:
         args.contexts, args.new_tokens = [4096, 8192], 32
 
     from nosa.config import NosaConfig
-    from nosa.serve.process import ServerProcess
+    from nosa.serve.tools.process import ServerProcess
 
     work = tempfile.mkdtemp(prefix="nosa_bench_")
     ckpt = os.path.join(work, "tiny-llama")

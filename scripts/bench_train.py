@@ -12,7 +12,7 @@ median of the timed steps is reported; the variants alternate step by step so ma
 both alike. Also times the NOSA forward alone (``--prefill-context``, default 32K, released
 NosaConfig) on one layer's shapes, the extend path SGLang runs. ``--crossover`` times the two CPU
 paths of the selected-block attention (gathered, masked) against each other over context lengths,
-the measurements behind nosa.attention_masked's thresholds. Not a test: nothing is asserted.
+the measurements behind nosa.attention.masked's thresholds. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def prefill_case(context: int, a_nonzero: bool, hq: int = 8, hkv: int = 2, d: in
     """nosa_prefill (no grad) vs dense SDPA over one layer's q/k/v of ``context`` tokens (the
     serving benchmark's head shapes), eviction scores zero (A = 0) or not."""
     from nosa import NosaConfig, nosa_prefill
-    from nosa.attention import dense_attention
+    from nosa.attention.math import dense_attention
 
     cfg = NosaConfig()
     g = torch.Generator().manual_seed(0)
@@ -76,13 +76,13 @@ def prefill_case(context: int, a_nonzero: bool, hq: int = 8, hkv: int = 2, d: in
 
 
 def crossover_case(context: int, cfg, training: bool, hq: int, hkv: int, d: int = 32, repeats: int = 3) -> dict:
-    """The two CPU paths of ``nosa.attention.attend_selected`` on one layer's q/k/v of ``context``
-    tokens (eviction scores on): the gathered ``_attend_selected`` and the masked
-    ``nosa.attention_masked.attend_masked``, forward + backward when ``training`` (every row), else
+    """The two CPU paths of ``nosa.attention.prefill.attend_selected`` on one layer's q/k/v of
+    ``context`` tokens (eviction scores on): the gathered ``nosa.attention.gathered.attend_grouped``
+    and the masked ``nosa.attention.masked.attend_masked``, forward + backward when ``training`` (every row), else
     forward only for the rows past ``cfg.dense_len``. The least CPU time of ``repeats``, alternating."""
     from nosa import nosa_prefill
-    from nosa.attention import _attend_selected
-    from nosa.attention_masked import attend_masked
+    from nosa.attention.gathered import attend_grouped
+    from nosa.attention.masked import attend_masked
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(context, h, d, generator=g) for h in (hq, hkv, hkv))
@@ -96,7 +96,7 @@ def crossover_case(context: int, cfg, training: bool, hq: int, hkv: int, d: int 
         q, k, v, cis = (t.requires_grad_() for t in (q, k, v, cis))
     cpu = {"gathered": [], "masked": []}
     for _ in range(repeats):
-        for name, fn in (("gathered", _attend_selected), ("masked", attend_masked)):
+        for name, fn in (("gathered", attend_grouped), ("masked", attend_masked)):
             c0 = time.process_time()
             with torch.set_grad_enabled(training):
                 out = fn(q, k, v, cis, sel, positions, cfg, d**-0.5)
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--crossover", action="store_true",
                     help="also time attend_selected's gathered vs masked CPU paths on one layer: training "
                          "(the config's nosa, 1-8x its seq_len) and prefill (released NosaConfig, 8K-64K): the "
-                         "measurements behind nosa.attention_masked's thresholds (about 5 minutes)")
+                         "measurements behind nosa.attention.masked's thresholds (about 5 minutes)")
     ap.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed steps, prefill at 8K")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "train.json"))
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the training config")

@@ -5,7 +5,7 @@
 # requirements and has no cpu extra, so we install the wheel with --no-deps and then its
 # pure-Python needs by name. SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1) imports a few `*_cpu`
 # helpers from `sgl_kernel`, whose CPU build is not on PyPI: when no real sgl_kernel is importable
-# we put the project's pure-torch stand-in (serve/sgl_kernel_cpu/sgl_kernel) on sys.path with a
+# we put the project's pure-torch stand-in (serve/tools/sgl_kernel_standin/sgl_kernel) on sys.path with a
 # .pth file in the venv's site-packages. On GPU machines use `pip install nosa[serve]` instead.
 #
 # Usage: PY=/path/to/venv/bin/python scripts/install_sglang_cpu.sh   (default: .venv/bin/python)
@@ -38,7 +38,7 @@ rm -f "$PTH"
 if "$PY" -c 'import sgl_kernel' 2>/dev/null; then
     echo "install_sglang_cpu: a real sgl_kernel is importable; not installing the CPU stand-in"
 else
-    echo "$ROOT/serve/sgl_kernel_cpu" > "$PTH"
+    echo "$ROOT/serve/tools/sgl_kernel_standin" > "$PTH"
     echo "install_sglang_cpu: sgl_kernel CPU stand-in on sys.path via $PTH"
     # A CUDA sglang-kernel that is installed but cannot load (no libcuda) would shadow the stand-in.
     if ! "$PY" -c 'import sgl_kernel, sys; sys.exit(0 if getattr(sgl_kernel, "IS_NOSA_STANDIN", False) else 1)'; then

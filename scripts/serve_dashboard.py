@@ -4,7 +4,7 @@
     python scripts/serve_dashboard.py runs/serve/metrics.jsonl --plot out.png
 
 Input: the stats file a server writes with $NOSA_SERVE_STATS_FILE (its ``timeline``: one record
-per decode step, nosa.serve.step_stats), a JSON list of such records (scripts/bench_offload.py
+per decode step, nosa.serve.offload.stats), a JSON list of such records (scripts/bench_offload.py
 saves them), or the ``metrics.jsonl`` that $NOSA_SERVE_WANDB logging writes beside the W&B run.
 Panels: hit rate and misses per step; recall and stall time per step (stall share of the step);
 prefetch hit rate per layer (demand misses avoided); resident slots and batch; admission

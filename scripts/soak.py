@@ -3,8 +3,8 @@
     .venv/bin/python scripts/soak.py [--quick] [--model-path CKPT] [--out results/soak.json]
         [--server-args "--attention-backend nosa ..."] [--env KEY=VAL ...]
 
-Starts one server on 127.0.0.1 (a tiny NOSA checkpoint built with tests/serve/sglang_tiny unless
---model-path is given), then:
+Starts one server on 127.0.0.1 (a tiny NOSA checkpoint built with nosa.serve.tools.tiny_checkpoint
+unless --model-path is given), then:
 1. probes: a few greedy prompts (short, past dense_len, long) after /flush_cache;
 2. the malformed list (each must get HTTP 400 with a message; the server must stay up);
 3. ``--clients`` threads for ``--duration`` seconds or ``--max-requests`` requests: mixed prompt
@@ -33,7 +33,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "serve"))
 
 from _soak_checks import (  # noqa: E402
     burst,
@@ -57,11 +56,10 @@ MODES = {  # quick: CI (about 2 minutes with start-up); full: the benchmark (abo
 
 # ---- main ------------------------------------------------------------------------------------
 def build_checkpoint(path: str, context: int) -> str:
-    import sglang_tiny
-
     import nosa
+    from nosa.serve.tools.tiny_checkpoint import make_checkpoint
 
-    sglang_tiny.make_checkpoint(path, nosa.NosaConfig.tiny(dense_len=64), seed=0, evict_scale=1.0)
+    make_checkpoint(path, nosa.NosaConfig.tiny(dense_len=64), seed=0, evict_scale=1.0)
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
@@ -94,7 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from nosa.serve.process import ServerProcess
+    from nosa.serve.tools.process import ServerProcess
 
     mode = dict(MODES["quick" if args.quick else "full"])
     for key in ("duration", "clients", "max_requests"):

@@ -3,21 +3,22 @@
 Layout (SGLang's, token-major): q [T, Hq*D] viewed as [T, Hq, D]; k, v [T, Hkv, D] for the T new
 tokens of the batch; ``req_to_token[row, :seq_len]`` lists the slots of a request's context.
 
-A thin adapter: the selection, the decode step (select -> resolve -> attend) and the prefill are
-nosa's, imported, never re-implemented, so that serving and the HF model pick the same blocks.
+A thin adapter: the selection, the decode step's seams and the prefill are nosa's, imported,
+never re-implemented, so that serving and the HF model pick the same blocks. Per forward pass
+``init_forward_metadata`` builds the one ``ForwardStep`` (nosa.serve.step) every layer reads.
+A decode layer (``forward_decode``) runs the seams of nosa.decode in a straight line:
+select (``decode_select``, ``decode_blocks``) -> resolve (the KV view) -> prefetch the next
+layer's blocks (offloading with the recall scheduler) -> attend (``attend_resolved``).
 What differs between the two modes is only where K, V and cis live, i.e. which KV view (nosa.kv)
-the decode state reads through:
+the layer reads through:
 - offloading off (default): SGLang's device pool [slots, Hkv, D] plus a cis buffer per layer kept
-  here, read in place (``nosa.kv.PagedKV``); extend runs ``nosa_prefill`` over the gathered context
-  as before;
-- offloading on ($NOSA_OFFLOAD=1, nosa.serve.offload_config): SGLang's pool is the host pool
-  (nosa.serve.host_pool); decode resolves through the device block cache (nosa.serve.block_cache),
-  extend runs ``NosaDecodeState.prefill``, which reads only the union of each chunk's blocks
-  (``nosa.serve.offload_kv.OffloadKV``). With $NOSA_RECALL_SCHEDULER=1 the cache's copies go
-  through the recall scheduler and, once layer l's blocks are resolved, layer l + 1's predicted
-  blocks are prefetched (nosa.serve.recall_scheduler); with $NOSA_ADMISSION=1 the admission
-  controller (nosa.serve.admission) lends slots and holds new requests back. Per-step counters:
-  nosa.serve.step_stats.
+  here, read in place (``nosa.kv.PagedKV``); extend runs ``nosa_prefill`` over the gathered context;
+- offloading on ($NOSA_OFFLOAD=1): SGLang's pool is the host pool, and the offloading engine
+  (nosa.serve.offload.engine.OffloadEngine) gives each layer an ``OffloadKV``
+  (nosa.serve.offload.kv): decode resolves through the device block cache, extend runs
+  ``NosaDecodeState.prefill``, which reads only the union of each chunk's blocks. The engine also
+  prefetches ($NOSA_RECALL_SCHEDULER=1), counts each decode step and feeds admission
+  ($NOSA_ADMISSION=1) at its end; the package docstring of nosa.serve.offload maps its parts.
 Per-request state (one ``NosaDecodeState`` per (request row, layer)) lives in
 nosa.serve.states.RequestStates, attached to SGLang's ReqToTokenPool so that finishing, aborting
 or retracting a request frees it and its device block slots.
@@ -28,14 +29,15 @@ Eviction scores cis = A * softplus(W v + b) come from the checkpoint's eviction 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from nosa.attention import nosa_prefill
-from nosa.decode import NosaDecodeState, decode_attend
+from nosa.attention.prefill import nosa_prefill
+from nosa.decode import NosaDecodeState, attend_resolved, decode_blocks, decode_select
 from nosa.kv import PagedKV
 from nosa.serve.checkpoint import (
     load_eviction_heads,
@@ -43,10 +45,21 @@ from nosa.serve.checkpoint import (
     resolve_model_dir,
     zero_eviction_heads,
 )
-from nosa.serve.offload_config import OffloadSettings, offload_enabled
+from nosa.serve.offload.block_cache import NewTokens
+from nosa.serve.offload.settings import offload_enabled
 from nosa.serve.states import RequestStates
+from nosa.serve.step import ForwardStep
 
 logger = logging.getLogger(__name__)
+
+
+class LayerIO(NamedTuple):
+    """A layer's query and output: out [T, Hq*Dv] (what the layer returns), q [T, Hq, D] and o
+    [T, Hq, Dv] (views the attention reads and writes)."""
+
+    out: torch.Tensor
+    q: torch.Tensor
+    o: torch.Tensor
 
 
 class NosaAttnBackend(AttentionBackend):
@@ -72,70 +85,17 @@ class NosaAttnBackend(AttentionBackend):
         source = "checkpoint" if from_checkpoint else "NOSA_CONFIG / defaults (dense checkpoint, A = 0)"
         logger.info("nosa backend: %s from %s", self.config, source)
         self.states = self._attach_states(model_runner)
-        self.offload = self._init_offload(model_runner) if offload_enabled() else None
-        if self.offload is None:  # cis per pool slot, beside SGLang's K and V
+        self.step: ForwardStep | None = None  # the forward pass running (init_forward_metadata)
+        self.offload = None
+        if offload_enabled():
+            from nosa.serve.offload.engine import OffloadEngine
+
+            self.offload = OffloadEngine.start(model_runner, self.config, self.num_layers, self.num_kv_heads,
+                                               self.head_dim)
+            self.states.attach_offload(self.offload)
+        else:  # cis per pool slot, beside SGLang's K and V
             rows = self.token_to_kv_pool.get_key_buffer(0).shape[0]
             self.cis_pool = [torch.zeros(rows, self.num_kv_heads, device=self.device) for _ in range(self.num_layers)]
-
-    def _init_offload(self, model_runner):
-        """Validate the settings, check that the host pool hooks took effect, build the device cache."""
-        from nosa.serve import host_pool
-        from nosa.serve.block_cache import DeviceBlockCache
-
-        settings = OffloadSettings.from_env()
-        settings.validate(self.config, model_runner.server_args.page_size)
-        for role in ("prefill_attention_backend", "decode_attention_backend"):
-            chosen = getattr(model_runner.server_args, role, None)
-            if chosen not in (None, "nosa"):
-                flag = "--" + role.replace("_", "-")
-                raise ValueError(f"nosa backend: offloading needs nosa for prefill and decode ({flag} {chosen}): "
-                                 "other backends cannot read the host pool")
-        host_pool.verify(model_runner, settings, self.config)
-        pool = self.token_to_kv_pool
-        from nosa.serve.step_stats import StepStats
-
-        scheduler = None
-        if settings.schedule:
-            from nosa.serve.recall_scheduler import RecallScheduler
-
-            scheduler = RecallScheduler(self.num_layers, settings.chunk_items)
-        cache = DeviceBlockCache(
-            self.num_layers, settings.max_requests(self.config), self.num_kv_heads,
-            settings.slots_per_head(self.config), self.config.block_size, self.head_dim, pool.v_head_dim,
-            pool.dtype, self.device, scheduler=scheduler, home_slots=settings.home_slots(self.config),
-        )
-        self.states.on_free.append(cache.release)
-        control = self._init_admission(settings, cache, pool) if settings.admission else None
-        self.step_stats = StepStats(cache, scheduler, control)
-        self._stats_written = 0.0
-
-        def counts():
-            out = {"device_slots_in_use": cache.resident_slots(),
-                   "offload": {k: list(v) for k, v in cache.stats.items()}, "timeline": self.step_stats.snapshot()}
-            if scheduler is not None:
-                out["scheduler"] = {k: list(v) for k, v in scheduler.stats.items()}
-            if control is not None:
-                out["admission"] = control.snapshot()
-            return out
-
-        self.states.extra_counts = counts
-        return cache
-
-    def _init_admission(self, settings, cache, pool):
-        """The admission controller, seeded by a start-up probe of the link (nosa.serve.admission)."""
-        from nosa.serve import admission
-
-        admission.verify_hooks()
-        cfg = self.config
-        control = admission.Admission(
-            admission.AdmissionPolicy(max_extra=settings.extra_slots), cache.item_bytes, cfg.topk_blocks,
-            bound_items=(cfg.query_blocks + 1) * self.num_kv_heads * self.num_layers)
-        bandwidth, nbytes, seconds = admission.probe_bandwidth([cache.k[0], cache.v[0], cache.cis[0]], pool.items(0))
-        control.bw = bandwidth
-        logger.info("nosa admission: link probe %d bytes in %.6f s = %.2f GB/s", nbytes, seconds, bandwidth / 1e9)
-        admission.CONTROLLER = control
-        self.states.on_free.append(lambda row: control.forget(row - 1))
-        return control
 
     def _attach_states(self, model_runner) -> RequestStates:
         """One registry per ReqToTokenPool (a prefill and a decode nosa backend share it)."""
@@ -158,101 +118,55 @@ class NosaAttnBackend(AttentionBackend):
 
     # ---- AttentionBackend ------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch):
-        """Per-forward host-side lists read by every layer."""
-        rows = forward_batch.req_pool_indices.tolist()
-        if forward_batch.seq_lens_cpu is not None:
-            seq_lens = forward_batch.seq_lens_cpu.tolist()
-        else:
-            seq_lens = forward_batch.seq_lens.tolist()
-        if forward_batch.forward_mode.is_decode():
-            ext = [1] * len(rows)
-        elif forward_batch.extend_seq_lens_cpu is not None:
-            ext = list(forward_batch.extend_seq_lens_cpu)
-        else:
-            ext = forward_batch.extend_seq_lens.tolist()
-        table = self.req_to_token_pool.req_to_token
-        # (row, slots [seq_len] (a view of the request's req_to_token row), extend_len) per request;
-        # shared by all layers
-        self.forward_metadata = [(row, table[row, :seq_len], n) for row, seq_len, n in zip(rows, seq_lens, ext)]
-        self.table_rows = forward_batch.req_pool_indices.long()
+        """Once per forward pass, before its layers: the step every layer reads."""
+        groups_of = self.offload.groups_of if self.offload is not None else None
+        self.step = ForwardStep.of(forward_batch, self.req_to_token_pool.req_to_token, groups_of)
         if self.offload is not None:
-            for row in rows:  # a starting request takes back its slot columns lent to others
-                self.offload.activate(row)
-            if forward_batch.forward_mode.is_decode():
-                self.step_stats.begin(rows, seq_lens)
+            self.offload.begin(self.step)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        """One layer of an extend (prefill, chunked prefill, prefix-cache hit): each request's new
+        rows attend over its whole context."""
         self._check_layer(layer)
-        o, q_, o_, k_buf, v_buf = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
-        head = self.heads[layer.layer_id]
-        self._write_cis(layer.layer_id, v, forward_batch, head)
+        step, layer_id = self.step, layer.layer_id
+        io = self._layer_io(q, layer)
+        self._store_new_tokens(k, v, layer, forward_batch, save_kv_cache)
+        view = self.offload.view(layer_id, step) if self.offload is not None else None
         start = 0
-        view = self._offload_view(layer.layer_id) if self.offload is not None else None
-        for i, (row, slots, ext_len) in enumerate(self.forward_metadata):
-            if ext_len == 0:
+        for i, (row, slots, n) in enumerate(zip(step.rows, step.slots, step.extend)):
+            if n == 0:
                 continue
-            rows = slice(start, start + ext_len)
+            rows = slice(start, start + n)
             if view is not None:  # reads only the union of each chunk's blocks from the host pool
-                state = self._state(row, layer.layer_id, fresh=slots.shape[0] == ext_len,
-                                    max_length=slots.shape[0] - ext_len)
-                o_[rows], _ = state.prefill(q_[rows], view, layer.scaling, seq=i)
+                state = self._state(row, layer_id, fresh=slots.shape[0] == n, max_length=slots.shape[0] - n)
+                io.o[rows], _ = state.prefill(io.q[rows], view, layer.scaling, seq=i)
             else:
-                slots = slots.long()
-                v_ctx = v_buf[slots].to(q_.dtype)
-                o_[rows], _ = nosa_prefill(q_[rows], k_buf[slots].to(q_.dtype), v_ctx, head(v_ctx),
-                                           self.config, layer.scaling)
-            start += ext_len
-        return o
+                io.o[rows] = self._prefill_from_pool(io.q[rows], slots, layer)
+            start += n
+        return io.out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        """One layer of a decode step for the whole batch: select -> resolve -> prefetch -> attend."""
         self._check_layer(layer)
-        q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
-        o, q_, o_, k_buf, v_buf = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
-        head = self.heads[layer.layer_id]
-        cis_new = self._write_cis(layer.layer_id, v, forward_batch, head)  # [R, Hkv]
+        step, layer_id, block_size = self.step, layer.layer_id, self.config.block_size
+        io = self._layer_io(q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim), layer)
+        cis = self._store_new_tokens(k, v, layer, forward_batch, save_kv_cache)  # [R, Hkv]
+        view = self._decode_view(layer_id, k, v, cis)
+        states = [self._caught_up_state(i, layer_id, view) for i in range(len(step.rows))]
+        # 1. select: one batched selection; the blocks each request reads (every one within dense_len)
+        wanted = decode_blocks(states, decode_select(states, io.q, layer.scaling))
+        # 2. resolve: where those blocks are (offloading: hits stay, misses recalled from the host)
+        found = view.resolve(wanted.blocks, wanted.lengths, block_size)
+        # 3. prefetch: the next layer's predicted blocks start moving while this layer attends
         if self.offload is not None:
-            view = self._offload_view(layer.layer_id, new_tokens=(k, v, cis_new))
-        else:
-            lengths = [slots.shape[0] for _, slots, _ in self.forward_metadata]
-            view = PagedKV(k_buf, v_buf, self.cis_pool[layer.layer_id], self.req_to_token_pool.req_to_token,
-                           self.table_rows, lengths)
-        states = []
-        for i, (row, slots, _) in enumerate(self.forward_metadata):
-            state = self._state(row, layer.layer_id, fresh=False, max_length=view.length(i) - 1)
-            if self.offload is None and state.length < slots.shape[0] - 1:
-                # tokens another prefill backend wrote (--prefill-attention-backend torch_native) have no
-                # cis yet: compute it from the pool's V for the tokens the state is about to catch up on
-                missing = slots[state.length : slots.shape[0] - 1].long()
-                self.cis_pool[layer.layer_id][missing] = head(v_buf[missing])
-            state.append(view, seq=i)
-            states.append(state)
-        if self.offload is not None and self.offload.scheduler is not None and layer.layer_id + 1 < self.num_layers:
-            view.after_resolve = lambda: self._prefetch(layer.layer_id + 1)
-        # the whole batch in one call: select -> resolve (the view) -> attend
-        o_[:] = decode_attend(states, q_, view, layer.scaling)
-        if self.offload is not None and layer.layer_id == self.num_layers - 1:
-            self._end_step()
-        return o
-
-    def _prefetch(self, layer_id: int) -> None:
-        """Layer ``layer_id``'s predicted blocks start moving while the layer before it attends."""
-        from nosa.serve.offload_kv import predicted_blocks
-
-        rows = [row for row, _, _ in self.forward_metadata]
-        lengths = [slots.shape[0] for _, slots, _ in self.forward_metadata]
-        if not self.offload.may_prefetch(layer_id, rows, lengths):
-            return
-        states = [self.states.get(row, layer_id) for row in rows]
-        if any(s is not None for s in states):
-            self._offload_view(layer_id).prefetch(predicted_blocks(states, lengths, self.config))
-
-    def _end_step(self) -> None:
-        import time
-
-        self.step_stats.end()
-        if time.monotonic() - self._stats_written > 1.0:  # the dashboard's file, at most once a second
-            self._stats_written = time.monotonic()
-            self.states.write_stats()
+            self.offload.prefetch(layer_id + 1, step, self.states)
+        # 4. attend
+        out, _ = attend_resolved(io.q, found, wanted.dense, block_size, layer.scaling)
+        io.o[:] = out
+        if self.offload is not None and layer_id == self.num_layers - 1:
+            self.offload.end_step()
+            self.states.write_stats(every=1.0)  # the dashboard's file, at most once a second
+        return io.out
 
     def support_triton(self):
         return False
@@ -267,36 +181,59 @@ class NosaAttnBackend(AttentionBackend):
             self.states.put(row, layer_id, state)
         return state
 
-    def _write_cis(self, layer_id, v, forward_batch, head):
-        """cis of the batch's new tokens, computed from V as the pool stores it, into the cis pool."""
-        loc = forward_batch.out_cache_loc
-        cis = head(v.view(-1, self.num_kv_heads, self.head_dim).to(self.token_to_kv_pool.dtype))
+    def _caught_up_state(self, i: int, layer_id: int, view) -> NosaDecodeState:
+        """The decode state of request ``i`` of the step, caught up with its context in ``view``
+        except the new token, whose selection the step computes."""
+        row, length = self.step.rows[i], self.step.lengths[i]
+        state = self._state(row, layer_id, fresh=False, max_length=length - 1)
+        if self.offload is None and state.length < length - 1:
+            # tokens another prefill backend wrote (--prefill-attention-backend torch_native) have no
+            # cis yet: compute it from the pool's V for the tokens the state is about to catch up on
+            missing = self.step.slots[i][state.length : length - 1].long()
+            v_buf = self.token_to_kv_pool.get_value_buffer(layer_id)
+            self.cis_pool[layer_id][missing] = self.heads[layer_id](v_buf[missing])
+        state.append(view, seq=i)
+        return state
+
+    def _decode_view(self, layer_id: int, k, v, cis):
+        """The KV view a decode layer reads through; with offloading it writes the new tokens (k, v
+        [R, Hkv*D], cis [R, Hkv]) through into the device block cache."""
+        if self.offload is not None:
+            new = NewTokens(k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, v.shape[-1]),
+                            cis)
+            return self.offload.view(layer_id, self.step, new)
+        pool = self.token_to_kv_pool
+        return PagedKV(pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id), self.cis_pool[layer_id],
+                       self.req_to_token_pool.req_to_token, self.step.table_rows, self.step.lengths)
+
+    def _prefill_from_pool(self, q, slots, layer) -> torch.Tensor:
+        """``nosa_prefill`` of one request's new rows q [n, Hq, D] over its whole context, gathered
+        from SGLang's device pool at ``slots`` [L] (offloading off)."""
+        pool, layer_id = self.token_to_kv_pool, layer.layer_id
+        slots = slots.long()
+        v_ctx = pool.get_value_buffer(layer_id)[slots].to(q.dtype)
+        out, _ = nosa_prefill(q, pool.get_key_buffer(layer_id)[slots].to(q.dtype), v_ctx,
+                              self.heads[layer_id](v_ctx), self.config, layer.scaling)
+        return out
+
+    def _store_new_tokens(self, k, v, layer, forward_batch, save_kv_cache) -> torch.Tensor:
+        """K and V of the forward's new tokens into SGLang's pool (unless SGLang saved them), and
+        their eviction scores cis [T, Hkv], computed from V as the pool stores it, into the cis pool
+        (offloading: the host pool's). Returns cis."""
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
+        loc, layer_id = forward_batch.out_cache_loc, layer.layer_id
+        cis = self.heads[layer_id](v.view(-1, self.num_kv_heads, self.head_dim).to(self.token_to_kv_pool.dtype))
         if self.offload is not None:
             self.token_to_kv_pool.set_cis(layer_id, loc, cis)
         else:
             self.cis_pool[layer_id][loc.long()] = cis
         return cis
 
-    def _offload_view(self, layer_id, new_tokens=None):
-        from nosa.serve.offload_kv import OffloadKV
-
-        rows = [row for row, _, _ in self.forward_metadata]
-        lengths = [slots.shape[0] for _, slots, _ in self.forward_metadata]
-        if new_tokens is not None:
-            k, v, cis = new_tokens
-            new_tokens = (k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, v.shape[-1]), cis)
-        return OffloadKV(self.token_to_kv_pool, self.offload, layer_id, self.req_to_token_pool.req_to_token,
-                         rows, lengths, self.device, new_tokens)
-
-    def _prepare(self, q, k, v, layer, forward_batch, save_kv_cache):
-        if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
-        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-        q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
-        k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        return o, q_, o_, k_buf, v_buf
+    def _layer_io(self, q, layer) -> LayerIO:
+        out = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        return LayerIO(out, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+                       out.view(-1, layer.tp_q_head_num, layer.v_head_dim))
 
     def _check_layer(self, layer) -> None:
         if layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY:

@@ -1,7 +1,8 @@
 """What the backend reads from the checkpoint: the NosaConfig and the eviction-head weights.
 
-A NOSA checkpoint (``nosa.convert`` + ``save_pretrained``, or nosa.train) stores its NosaConfig in
-config.json under "nosa" and the eviction heads as
+A NOSA checkpoint (``nosa.convert`` + ``save_pretrained``, or nosa.train; the NOSA format or the
+legacy one, nosa.checkpoint_format) stores its NosaConfig in config.json under "nosa" and the
+eviction heads as
 ``model.layers.{i}.self_attn.nosa_evict.{proj.weight, proj.bias, scale}``. SGLang's model classes
 have no such parameters and its loader skips unknown tensors, so the backend reads them from the
 safetensors files itself. A dense checkpoint gets training-free selection (A = 0) and its
@@ -17,6 +18,7 @@ import re
 
 import torch
 
+from nosa import checkpoint_format
 from nosa.config import CONFIG_KEY, NosaConfig
 from nosa.eviction import MODULE_NAME, EvictionHead, read_eviction_tensors
 from nosa.hf import nosa_config_of
@@ -42,6 +44,8 @@ def load_nosa_config(model_dir: str) -> tuple[NosaConfig, bool]:
     stored = nosa_config_of(data, source=f"{path} (nosa backend)")
     if stored is not None:
         return stored, True
+    if checkpoint_format.kind(data) == "nosa":  # a NOSA model type is never served as dense
+        raise ValueError(f"nosa backend: {path} has model_type {data['model_type']!r} but no '{CONFIG_KEY}' section")
     return config_from_env(), False
 
 

@@ -2,15 +2,20 @@
 
 SGLang calls ``register`` in the launcher before argparse, in ``sglang.Engine`` and in every
 scheduler / detokenizer subprocess. It adds the "nosa" choice and a factory (torch, nosa's
-selection code and the backend are imported when SGLang builds the backend), and the request
-validation hooks of nosa.serve.validate, which apply whatever the attention backend.
+selection code and the backend are imported when SGLang builds the backend), the request
+validation hooks of nosa.serve.validate, which apply whatever the attention backend, and the NOSA
+checkpoint format (nosa.checkpoint_format): its model types for transformers' AutoConfig, through
+which SGLang reads config.json, and its architectures for SGLang's model registry.
 """
 
 from __future__ import annotations
 
+from nosa.after_import import when_imported
+from nosa.checkpoint_format import MODEL_TYPES
 from nosa.serve import cuda_graphs, validate
 
 BACKEND_NAME = "nosa"
+_MODEL_REGISTRY = "sglang.srt.models.registry"
 
 
 def register() -> None:
@@ -25,22 +30,46 @@ def register() -> None:
     validate.install()
     cuda_graphs.install()  # CUDA: graphs off where nosa serves (no capture path yet), logged
     _install_offload_hooks()
+    _register_checkpoint_format()
+
+
+def _register_checkpoint_format() -> None:
+    """NOSA checkpoints have model_type nosa_llama (nosa_qwen2, nosa_qwen3) and architecture
+    NosaLlamaForCausalLM (...). AutoConfig learns the model types now; SGLang's model registry
+    learns the architectures once it is imported (importing it loads every SGLang model, which only
+    the scheduler needs), served by SGLang's own Llama / Qwen2 / Qwen3 classes: the eviction heads
+    are the backend's (nosa.serve.checkpoint)."""
+    from nosa.hf_configs import register as register_configs
+
+    register_configs()
+    when_imported(_MODEL_REGISTRY, _add_architectures, quiet=_MODEL_REGISTRY)
+
+
+def _add_architectures() -> None:
+    from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+    from sglang.srt.models.registry import ModelRegistry
+
+    served_by = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+    for base, model_class in served_by.items():
+        ModelRegistry.models[MODEL_TYPES[base].architecture] = model_class
 
 
 _OFFLOAD_HOOKS = []
 
 
 def _install_offload_hooks() -> None:
-    """With $NOSA_OFFLOAD=1: the host KV pool hooks (nosa.serve.host_pool), once per process."""
-    from nosa.serve.offload_config import OffloadSettings, offload_enabled
+    """With $NOSA_OFFLOAD=1: the host KV pool hooks (nosa.serve.offload.host_pool), once per process."""
+    from nosa.serve.offload.settings import OffloadSettings, offload_enabled
 
     if offload_enabled() and not _OFFLOAD_HOOKS:
-        from nosa.serve.host_pool import register_hooks
+        from nosa.serve.offload.host_pool import register_hooks
 
         settings = OffloadSettings.from_env()
         register_hooks(settings)
-        if settings.admission:  # new requests wait while admission says so (nosa.serve.admission)
-            from nosa.serve.admission import register_hooks as register_admission_hooks
+        if settings.admission:  # new requests wait while admission says so (nosa.serve.offload.admission)
+            from nosa.serve.offload.admission import register_hooks as register_admission_hooks
 
             register_admission_hooks()
         _OFFLOAD_HOOKS.append(True)

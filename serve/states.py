@@ -5,6 +5,10 @@ ReqToTokenPool as its aux cache, so ``free(row)`` runs when a request finishes, 
 retracted (ReqToTokenPool.free_rows) and ``clear()`` when the pool is flushed. Rows are reused by
 later requests; the pool's per-row generation counter (bumped on every allocation) guards against
 trusting a state that belongs to an earlier request of the same row.
+
+With offloading the registry also knows the backend's offloading engine
+(nosa.serve.offload.engine.OffloadEngine, ``attach_offload``): a released row's device slots go
+back to it, and its counters join the registry's in the stats file.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 from nosa.decode import NosaDecodeState
 
@@ -30,8 +35,15 @@ class RequestStates:
         self._lock = threading.Lock()  # free() may come from the scheduler while a forward runs
         self._stats_file = os.environ.get(ENV_STATS_FILE)
         self.freed_total = 0
-        self.on_free: list = []  # callbacks(row) run when a row is released (the device block cache)
-        self.extra_counts = None  # callable -> dict merged into counts() (offloading counters)
+        self.offload = None  # the offloading engine, if any: release(row), counters()
+        self._stats_written = 0.0  # time.monotonic() of write_stats' last write
+
+    def attach_offload(self, engine) -> None:
+        """The offloading engine whose slots a released row frees and whose counters ``counts`` adds.
+        One per registry: offloading runs nosa for prefill and decode, one backend per process."""
+        if self.offload is not None and self.offload is not engine:
+            raise ValueError("nosa backend: a second offloading engine for the same request pool")
+        self.offload = engine
 
     def _generation(self, row: int) -> int:
         return int(self.pool.req_generation[row])
@@ -59,7 +71,7 @@ class RequestStates:
                 self._rows[row] = entry
             entry[1][layer] = state
         if layer in (0, self.num_layers - 1):  # a new request shows at once; not once per layer (the
-            self._write_stats()  # file may carry the offloading timeline, nosa.serve.step_stats)
+            self._write_stats()  # file may carry the offloading timeline, nosa.serve.offload.stats)
 
     def counts(self) -> dict:
         with self._lock:
@@ -68,8 +80,8 @@ class RequestStates:
                 "layer_states": sum(s is not None for _, layers in self._rows.values() for s in layers),
                 "freed_total": self.freed_total,
             }
-        if self.extra_counts is not None:
-            counts.update(self.extra_counts())
+        if self.offload is not None:
+            counts.update(self.offload.counters())
         return counts
 
     # ---- ReqToTokenPool aux-cache protocol ---------------------------------------------------
@@ -78,17 +90,17 @@ class RequestStates:
             self._rows.pop(row, None)
             self._freed[row] = self._generation(row)
             self.freed_total += 1
-        for callback in self.on_free:
-            callback(row)
+        if self.offload is not None:
+            self.offload.release(row)
         self._write_stats()
 
     def clear(self) -> None:
         with self._lock:
             rows = list(self._rows)
             self._rows.clear()
-        for row in rows:
-            for callback in self.on_free:
-                callback(row)
+        if self.offload is not None:
+            for row in rows:
+                self.offload.release(row)
         self._write_stats()
 
     def alloc_to_lengths(self, *, req_pool_indices_cpu, target_seq_lens_cpu) -> None:
@@ -97,9 +109,13 @@ class RequestStates:
     def reset_allocator(self) -> None:
         self.clear()
 
-    def write_stats(self) -> None:
-        """Write the counts to $NOSA_SERVE_STATS_FILE now (the backend calls it during long decodes)."""
-        self._write_stats()
+    def write_stats(self, every: float = 0.0) -> None:
+        """Write the counts to $NOSA_SERVE_STATS_FILE unless this method wrote them less than ``every``
+        seconds ago (the backend calls it after each decode step: at most once a second)."""
+        now = time.monotonic()
+        if now - self._stats_written > every:
+            self._stats_written = now
+            self._write_stats()
 
     def _write_stats(self) -> None:
         if not self._stats_file:

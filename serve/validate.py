@@ -1,12 +1,23 @@
-"""Request validation at SGLang's door: refuse prompts the model cannot run, before the scheduler.
+"""Request validation at SGLang's door: refuse requests the model cannot run, before the scheduler.
 
-SGLang 0.5.23 passes an empty prompt (``"text": ""`` with a tokenizer that adds no BOS, or a batch
-row ``input_ids: [[]]``) and token ids outside the embedding table straight to the scheduler, where
-the forward pass raises (rotary embedding: "cannot reshape tensor of 0 elements"; embedding:
-"index out of range") and SGLang then kills every process. These checks run in the tokenizer
-manager, on the same path as SGLang's own ``_validate_*`` methods, whose ValueError becomes HTTP 400
-for /generate (single and batch), /v1/completions and /v1/chat/completions, so one bad request
-costs its client a 400 and nobody else anything.
+SGLang 0.5.23 passes these straight to the scheduler, where the forward pass raises and SGLang then
+kills every process (each found by sending it hostile values; tests/serve/test_validation.py):
+- an empty prompt (``"text": ""`` with a tokenizer that adds no BOS, or a batch row
+  ``input_ids: [[]]``): rotary embedding, "cannot reshape tensor of 0 elements";
+- token ids outside the embedding table: embedding, "index out of range";
+- ``top_logprobs_num`` above the vocabulary size (``logprobs`` of /v1/completions, ``top_logprobs``
+  of /v1/chat/completions): ``logprobs.topk``, "selected index k out of range";
+- ``input_embeds`` rows that are ragged or not ``hidden_size`` wide, and any ``input_embeds`` on a
+  model not served in bfloat16 (the model runner casts them to bfloat16 unconditionally; a float32
+  model's first matmul then raises); an empty ``input_embeds`` (or an empty first row) raises
+  IndexError while SGLang works out the batch size: HTTP 500 instead of a 400.
+``logprob_start_len`` below -1 is served by SGLang but means nothing; it is refused too, and above
+the prompt length it gets our message instead of SGLang's (which names its own variables).
+SGLang itself already refuses ``token_ids_logprob`` ids outside the vocabulary (tested here, so a
+regression in a newer SGLang shows up).
+These checks run in the tokenizer manager, on the same path as SGLang's own ``_validate_*``
+methods, whose ValueError becomes HTTP 400 for /generate (single and batch), /v1/completions and
+/v1/chat/completions, so one bad request costs its client a 400 and nobody else anything.
 
 ``install()`` registers the hooks (from nosa.serve.plugin.register, in every SGLang process);
 ``check_installed()`` runs when a TokenizerManager is built and fails start-up if they did not take
@@ -21,6 +32,8 @@ import re
 
 _TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 VALIDATE_TARGET = f"{_TM}._validate_one_request"  # (self, obj, input_ids): both single and batch paths
+# (self): where a /generate body becomes single or batch; it indexes input_embeds[0][0] unchecked
+NORMALIZE_TARGET = "sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments"
 INIT_TARGET = f"{_TM}.__init__"  # where the start-up check runs, in the process that serves HTTP
 # Malformed JSON and wrong types: FastAPI's exception, whose text SGLang puts in the 400 body.
 STR_TARGET = "fastapi.exceptions.RequestValidationError.__str__"
@@ -53,18 +66,79 @@ def scrub_paths(message: str) -> str:
     return _PATH.sub(lambda m: "<path>/" + os.path.basename(m.group(0).rstrip("/\\")), message)
 
 
+def validate_logprobs(obj, prompt_tokens: int | None, vocab_size: int) -> None:
+    """Raise ValueError (-> HTTP 400) naming the field if a logprob request cannot be computed.
+    Only requests with ``return_logprob`` are checked: SGLang ignores these fields otherwise.
+    ``prompt_tokens``: the prompt's length, or None when unknown (multimodal placeholders)."""
+    if not getattr(obj, "return_logprob", False):
+        return
+    top = getattr(obj, "top_logprobs_num", None)
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int):
+            raise ValueError(f"top_logprobs_num must be an integer, got {type(top).__name__} {top!r}")
+        if not 0 <= top <= vocab_size:
+            raise ValueError(
+                f"top_logprobs_num = {top} must be in [0, {vocab_size}], the model's vocabulary size "
+                "(it is `logprobs` in /v1/completions and `top_logprobs` in /v1/chat/completions)")
+    start = getattr(obj, "logprob_start_len", None)
+    if start is not None:
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise ValueError(f"logprob_start_len must be an integer, got {type(start).__name__} {start!r}")
+        if start < -1 or (prompt_tokens is not None and start > prompt_tokens):
+            limit = "the prompt's length" if prompt_tokens is None else f"the prompt's {prompt_tokens} tokens"
+            raise ValueError(f"logprob_start_len = {start} must be -1 (no prompt logprobs) or in [0, {limit}]")
+
+
+def validate_input_embeds(embeds, hidden_size: int, dtype) -> None:
+    """Raise ValueError (-> HTTP 400) unless ``embeds`` is a non-empty [T, hidden_size] list of
+    numbers that this model can take: SGLang 0.5.23's model runner casts input_embeds to bfloat16,
+    so a model served in another dtype cannot use them at all."""
+    import torch
+
+    if dtype != torch.bfloat16:
+        raise ValueError(
+            f"input_embeds needs a model served in bfloat16 (SGLang casts them to bfloat16); this one "
+            f"runs in {str(dtype).replace('torch.', '')}: send input_ids or text, or serve with --dtype bfloat16")
+    if not isinstance(embeds, list) or not embeds:
+        raise ValueError("input_embeds is empty: send at least one row of hidden_size numbers")
+    for i, row in enumerate(embeds):
+        if not isinstance(row, list) or len(row) != hidden_size:
+            width = len(row) if isinstance(row, list) else type(row).__name__
+            raise ValueError(f"input_embeds[{i}] has {width} values; every row needs hidden_size = {hidden_size}")
+
+
+def check_embeds_shape(embeds) -> None:
+    """Raise ValueError unless ``embeds`` is [T, H] (one request) or [B, T, H] (a batch) of numbers
+    with no empty level: SGLang reads ``embeds[0][0]`` to tell the two apart."""
+    level, depth = embeds, 0
+    while isinstance(level, list):
+        if not level:
+            where = "input_embeds" + "[0]" * depth
+            raise ValueError(f"{where} is empty: send at least one row of hidden_size numbers")
+        level, depth = level[0], depth + 1
+    if depth not in (2, 3) or isinstance(level, bool) or not isinstance(level, (int, float)):
+        raise ValueError("input_embeds must be rows of numbers: [tokens][hidden_size], or "
+                         "[requests][tokens][hidden_size] for a batch")
+
+
 def _check_request(self, obj, input_ids) -> None:
     """Our checks for one (sub-)request ``obj`` of TokenizerManager ``self``."""
-    # Embeddings and multimodal prompts carry placeholder ids (replaced by pad values later) or no
-    # ids at all: the model's own path owns them.
-    if input_ids is None or getattr(obj, "input_embeds", None) is not None:
+    config = self.model_config
+    embeds = getattr(obj, "input_embeds", None)
+    if embeds is not None:  # the ids are placeholders: the embeddings are the prompt
+        validate_input_embeds(embeds, config.hidden_size, config.dtype)
+        prompt_tokens = len(embeds)
+    elif getattr(obj, "contains_mm_input", None) is not None and obj.contains_mm_input():
+        prompt_tokens = None  # placeholder ids, replaced by pad values later: the model's path owns them
+    elif input_ids is None:
         return
-    if getattr(obj, "contains_mm_input", None) is not None and obj.contains_mm_input():
-        return
-    validate_prompt(input_ids, self.model_config.vocab_size)
+    else:
+        validate_prompt(input_ids, config.vocab_size)
+        prompt_tokens = len(input_ids)
+    validate_logprobs(obj, prompt_tokens, config.vocab_size)
 
 
-def _around_validate(original, self, obj, input_ids):
+def around_validate(original, self, obj, input_ids):
     """AROUND hook on TokenizerManager._validate_one_request(self, obj, input_ids): our checks,
     then SGLang's; messages leave without server-side paths."""
     _check_request(self, obj, input_ids)
@@ -77,13 +151,21 @@ def _around_validate(original, self, obj, input_ids):
         raise ValueError(clean) from None
 
 
-def _around_str(original, self) -> str:
+def around_normalize(original, self):
+    """AROUND hook on GenerateReqInput.normalize_batch_and_arguments(self): the shape of
+    input_embeds before SGLang indexes it (its ValueError is a 400 there too)."""
+    if self.input_embeds is not None:
+        check_embeds_shape(self.input_embeds)
+    return original(self)
+
+
+def around_str(original, self) -> str:
     """AROUND hook on RequestValidationError.__str__: FastAPI appends the endpoint's source file
     ('File "/.../http_server.py", line 928'), which SGLang returns in the 400 body."""
     return scrub_paths(original(self))
 
 
-def _after_init(result, self, *args, **kwargs):
+def after_init(result, self, *args, **kwargs):
     check_installed()
     return None
 
@@ -91,11 +173,13 @@ def _after_init(result, self, *args, **kwargs):
 def check_installed() -> None:
     """RuntimeError unless SGLang's validation and FastAPI's error text run our hooks."""
     from fastapi.exceptions import RequestValidationError
+    from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     for target, owner, attr, hook in (
-        (VALIDATE_TARGET, TokenizerManager, "_validate_one_request", _around_validate),
-        (STR_TARGET, RequestValidationError, "__str__", _around_str),
+        (VALIDATE_TARGET, TokenizerManager, "_validate_one_request", around_validate),
+        (NORMALIZE_TARGET, GenerateReqInput, "normalize_batch_and_arguments", around_normalize),
+        (STR_TARGET, RequestValidationError, "__str__", around_str),
     ):
         if not _wraps(owner.__dict__.get(attr), hook):
             raise RuntimeError(
@@ -120,9 +204,9 @@ def install() -> None:
     Exits if a target does not exist in this SGLang: a plugin exception would only be logged."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if any(hook is _around_validate for _, hook, _ in HookRegistry._hooks.get(VALIDATE_TARGET, ())):
+    if any(hook is around_validate for _, hook, _ in HookRegistry._hooks.get(VALIDATE_TARGET, ())):
         return  # register() ran before in this process
-    for target in (VALIDATE_TARGET, INIT_TARGET, STR_TARGET):
+    for target in (VALIDATE_TARGET, NORMALIZE_TARGET, INIT_TARGET, STR_TARGET):
         module_class, attr = target.rsplit(".", 1)
         try:
             owner = pkgutil.resolve_name(module_class)
@@ -130,6 +214,7 @@ def install() -> None:
         except (ImportError, AttributeError) as err:
             raise SystemExit(f"nosa plugin: cannot hook {target} ({err}); this SGLang is not the "
                              "pinned 0.5.23. SGLANG_PLUGINS=none disables the nosa plugin.") from err
-    HookRegistry.register(VALIDATE_TARGET, _around_validate, HookType.AROUND)
-    HookRegistry.register(INIT_TARGET, _after_init, HookType.AFTER)
-    HookRegistry.register(STR_TARGET, _around_str, HookType.AROUND)
+    HookRegistry.register(VALIDATE_TARGET, around_validate, HookType.AROUND)
+    HookRegistry.register(NORMALIZE_TARGET, around_normalize, HookType.AROUND)
+    HookRegistry.register(INIT_TARGET, after_init, HookType.AFTER)
+    HookRegistry.register(STR_TARGET, around_str, HookType.AROUND)

@@ -19,10 +19,10 @@ def sdpa(q, k, v, scale):
 
 
 def use_gathered_path(monkeypatch):
-    """Route nosa.attention.attend_selected to the gathered path (``_attend_selected``), whose
+    """Route nosa.attention.prefill.attend_selected to the gathered path (``attend_grouped``), whose
     grouping knobs these tests vary; by default short contexts take the masked path."""
-    monkeypatch.setattr("nosa.attention_masked.MASKED_KEYS_PER_BUDGET_TRAIN", 0.0)
-    monkeypatch.setattr("nosa.attention_masked.MASKED_KEYS_PER_BUDGET_INFER", 0.0)
+    monkeypatch.setattr("nosa.attention.masked.MASKED_KEYS_PER_BUDGET_TRAIN", 0.0)
+    monkeypatch.setattr("nosa.attention.masked.MASKED_KEYS_PER_BUDGET_INFER", 0.0)
 
 
 def make(length, hq, hkv, d, seed=0, dtype=torch.float32):
@@ -81,9 +81,9 @@ def test_sparse_prefill_matches_brute_force_over_its_selection(dense_len, rest_t
                                                                monkeypatch):
     if rest_tokens is not None:
         use_gathered_path(monkeypatch)
-        monkeypatch.setattr("nosa.attention_gathered.REST_TOKENS", rest_tokens)
-        monkeypatch.setattr("nosa.attention_gathered.ROW_REST_TOKENS", row_rest_tokens)
-        monkeypatch.setattr("nosa.attention_gathered.UNION_LIMIT", union_limit)
+        monkeypatch.setattr("nosa.attention.gathered.REST_TOKENS", rest_tokens)
+        monkeypatch.setattr("nosa.attention.gathered.ROW_REST_TOKENS", row_rest_tokens)
+        monkeypatch.setattr("nosa.attention.gathered.UNION_LIMIT", union_limit)
     length, hq, hkv, d = 180, 4, 2, 8
     cfg = NosaConfig.tiny(dense_len=dense_len)
     q, k, v = make(length, hq, hkv, d, seed=3)
@@ -188,7 +188,7 @@ def test_varlen_sequences_are_independent():
 def test_gradients_reach_q_k_v_and_eviction_head(rest_tokens, monkeypatch):
     if rest_tokens is not None:
         use_gathered_path(monkeypatch)
-        monkeypatch.setattr("nosa.attention_gathered.REST_TOKENS", rest_tokens)
+        monkeypatch.setattr("nosa.attention.gathered.REST_TOKENS", rest_tokens)
     cfg = NosaConfig.tiny()
     length, hq, hkv, d = 130, 4, 2, 8
     q, k, v = (t.double().requires_grad_() for t in make(length, hq, hkv, d, seed=4))
@@ -302,7 +302,7 @@ def test_selected_attention_gradients_equal_autograd_reference(rest_tokens, row_
     backward (None), give autograd's gradients of the masked float64 reference."""
     if rest_tokens is not None:
         use_gathered_path(monkeypatch)
-        monkeypatch.setattr("nosa.attention_gathered.REST_TOKENS", rest_tokens)
+        monkeypatch.setattr("nosa.attention.gathered.REST_TOKENS", rest_tokens)
     cfg = NosaConfig.tiny(topk_blocks=5, query_blocks=2)
     length, hq, hkv, d = 200, 6, 2, 8
     q, k, v = (t.double().requires_grad_() for t in make(length, hq, hkv, d, seed=12))

@@ -1,12 +1,14 @@
-"""The masked dense path (nosa.attention_masked) against the gathered path (nosa.attention's
-``_attend_selected``): outputs and gradients of q, k, v and cis, and the dispatch between them."""
+"""The masked dense path (nosa.attention.masked) against the gathered path
+(nosa.attention.gathered.attend_grouped): outputs and gradients of q, k, v and cis, and the
+dispatch between them."""
 
 import pytest
 import torch
 
-from nosa import EvictionHead, NosaConfig, attention, attention_masked, nosa_prefill, nosa_prefill_varlen
-from nosa.attention import _attend_selected
-from nosa.attention_masked import attend_masked, use_masked
+from nosa import EvictionHead, NosaConfig, nosa_prefill, nosa_prefill_varlen
+from nosa.attention import gathered, masked
+from nosa.attention.gathered import attend_grouped
+from nosa.attention.masked import attend_masked, use_masked
 
 
 def make(length, hq, hkv, d, seed, dtype=torch.float32):
@@ -21,7 +23,7 @@ def both_paths(q, k, v, cis, sel, positions, cfg, scale):
     weight = torch.randn(q.shape[0], q.shape[1], v.shape[-1], generator=torch.Generator().manual_seed(1),
                          dtype=q.dtype)
     results = []
-    for fn in (_attend_selected, attend_masked):
+    for fn in (attend_grouped, attend_masked):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, cis)]
         out = fn(*leaves, sel, positions, cfg, scale)
         grads = torch.autograd.grad((out * weight).sum(), leaves)
@@ -87,7 +89,7 @@ def test_nosa_prefill_training_step_equals_the_gathered_path(dense_len, monkeypa
     cu = torch.tensor([0, 90, 200])
     grads = {}
     for path, limit in (("gathered", 0.0), ("masked", 1e9)):
-        monkeypatch.setattr(attention_masked, "MASKED_KEYS_PER_BUDGET_TRAIN", limit)
+        monkeypatch.setattr(masked, "MASKED_KEYS_PER_BUDGET_TRAIN", limit)
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         head.zero_grad()
         out = nosa_prefill(*leaves, head(leaves[2]), cfg, 0.35)[0]
@@ -102,7 +104,7 @@ def test_masked_path_keeps_the_input_dtype():
     cfg = NosaConfig.tiny()
     q, k, v, cis = (t.bfloat16() for t in make(100, 4, 2, 8, seed=5))
     out, sel = nosa_prefill(q, k, v, cis, cfg, 0.35)
-    ref = _attend_selected(q, k, v, cis, sel, torch.arange(100), cfg, 0.35)
+    ref = attend_grouped(q, k, v, cis, sel, torch.arange(100), cfg, 0.35)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
@@ -115,11 +117,11 @@ def test_dispatch_follows_the_context_against_the_budget(monkeypatch):
     assert not use_masked(torch.arange(4096), 2, cfg, training=True)
     assert use_masked(torch.arange(300, 500), 2, cfg, training=False)
     assert not use_masked(torch.arange(2000), 2, cfg, training=False)
-    monkeypatch.setattr(attention_masked, "MASKED_SAVE_ELEMENTS", 1000)
+    monkeypatch.setattr(masked, "MASKED_SAVE_ELEMENTS", 1000)
     assert not use_masked(torch.arange(512), 2, cfg, training=True)
     calls = []
-    monkeypatch.setattr(attention, "_attend_selected", lambda *a, **kw: calls.append("gathered") or a[0])
-    monkeypatch.setattr(attention_masked, "attend_masked", lambda *a, **kw: calls.append("masked") or a[0])
+    monkeypatch.setattr(gathered, "attend_grouped", lambda *a, **kw: calls.append("gathered") or a[0])
+    monkeypatch.setattr(masked, "attend_masked", lambda *a, **kw: calls.append("masked") or a[0])
     q, k, v, cis = make(300, 4, 2, 8, seed=0)
     nosa_prefill(q, k, v, cis, cfg, 0.35)
     nosa_prefill(q, k, v, cis.requires_grad_(), cfg, 0.35)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nosa import EvictionHead, NosaConfig, NosaDecodeState, nosa_prefill
-from nosa.attention import NEG_INF, attend_gathered, merge_attention
+from nosa.attention.math import NEG_INF, attend_gathered, merge_attention
 from nosa.kv import ContiguousKV, PagedKV
 from nosa.select import blocks_entering, selection_change
 
@@ -144,7 +144,7 @@ def test_decode_through_the_kernels_equals_the_torch_path(monkeypatch):
 
 
 def test_prefill_through_a_view_uses_the_kernel_when_asked(monkeypatch):
-    """NosaDecodeState.prefill goes through nosa.attention.attend_selected, so on CUDA (here
+    """NosaDecodeState.prefill goes through nosa.attention.prefill.attend_selected, so on CUDA (here
     NOSA_KERNELS=triton under the interpreter) the offloading server's prefill runs the Triton
     block-sparse kernel; it gives the torch path's rows."""
     cfg = NosaConfig.tiny(dense_len=0)

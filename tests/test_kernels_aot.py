@@ -68,7 +68,7 @@ def recall_case(arch, shape):
     src = (t(32, block, d), t(32, block, d), t(32, block, dtype=torch.float32))
     idx = torch.zeros(16, dtype=torch.int64)
     _, args, consts = recall.copy_items_plan(dst, src, idx, idx)
-    compile_kernel(recall.copy_kernel(), args, consts, arch, num_warps=4)
+    compile_kernel(recall.kernels()["copy"], args, consts, arch, num_warps=4)
 
 
 def slot_decode_case(arch, shape, dtype):
@@ -93,7 +93,7 @@ def paged_sparse_decode_case(arch, shape):
     sel = torch.zeros(2, hkv, topk, dtype=torch.int32)
     lens = torch.zeros(2, dtype=torch.int32)
     _, args, consts = sparse_decode.sparse_decode_plan(q, k, v, cis, table, sel, lens, block, 0.1)
-    compile_kernel(sparse_decode._kernel(), args, consts, arch, num_warps=4)
+    compile_kernel(sparse_decode.kernels()["decode"], args, consts, arch, num_warps=4)
 
 
 def sparse_prefill_case(arch, shape, tile=None):
@@ -126,7 +126,7 @@ def block_scores_case(arch, shape):
     q, ck = t(4, hq, d), t(64, hkv, d, dtype=torch.float32 if shape[0] == "tiny" else torch.bfloat16)
     _, args, consts, _ = block_scores.block_scores_plan(q, ck, torch.zeros(4, dtype=torch.int32), 20, block, kernel,
                                                          stride, 0.1)
-    compiled = compile_kernel(block_scores.kernel(), args, consts, arch, num_warps=4)
+    compiled = compile_kernel(block_scores.kernels()["scores"], args, consts, arch, num_warps=4)
     assert compiled.metadata.shared <= SHARED_LIMIT[arch]
 
 

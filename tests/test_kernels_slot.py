@@ -6,7 +6,7 @@ Without CUDA the kernel runs under TRITON_INTERPRET=1 (conftest.py)."""
 import pytest
 import torch
 
-from nosa.attention import merge_attention
+from nosa.attention.math import merge_attention
 from nosa.kernels.slot_decode import slot_decode, slot_decode_reference
 from nosa.kernels.sparse_decode import sparse_decode_reference
 

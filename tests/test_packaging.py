@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,3 +65,12 @@ def test_import_nosa_needs_only_torch():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "(40, 2, 4) []"
+
+
+def test_every_subpackage_of_nosa_is_in_the_wheel():
+    """pyproject.toml lists the packages explicitly (for the folder mapping), so a new subpackage of
+    nosa/ (e.g. nosa/attention) ships only when it is listed."""
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    subpackages = sorted(".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "nosa").rglob("__init__.py"))
+    assert "nosa.attention" in subpackages
+    assert [name for name in subpackages if name not in packages] == []

@@ -13,9 +13,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Offline before transformers / datasets are imported: there is no hub access.
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        os.environ.setdefault(var, "1")
+    from nosa.train.data import offline_env
+
+    offline_env()  # before transformers / datasets are imported: they read it once, at import
     os.environ.setdefault("WANDB_MODE", "offline")
     parser = argparse.ArgumentParser(prog="python -m nosa.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="YAML run config (configs/train/*.yaml)")

@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 DS_TAG = "state"
+RUN_CONFIG_FILE = "nosa_train.json"
+STATE_FILE = "trainer_state.json"
 
 
 def _barrier() -> None:
@@ -56,8 +58,8 @@ def save(
         model.save_pretrained(tmp)
     if _rank() == 0:
         tokenizer.save_pretrained(tmp)
-        _write_json(os.path.join(tmp, "nosa_train.json"), run_config)
-        _write_json(os.path.join(tmp, "trainer_state.json"), dict(state, step=step))
+        _write_json(os.path.join(tmp, RUN_CONFIG_FILE), run_config)
+        _write_json(os.path.join(tmp, STATE_FILE), dict(state, step=step))
     engine.save_checkpoint(os.path.join(tmp, "deepspeed"), tag=DS_TAG, save_latest=False)
     _barrier()
     if _rank() == 0:
@@ -69,20 +71,21 @@ def save(
     return final
 
 
-def load_engine_state(engine, path: str) -> dict:
-    """Restore optimizer and scheduler state into ``engine``; returns trainer_state.json."""
+def load_engine_state(engine, path: str) -> None:
+    """Restore optimizer and scheduler state into ``engine``."""
     engine.load_checkpoint(
         os.path.join(path, "deepspeed"), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
     )
-    return read_state(path)
 
 
 def read_state(path: str) -> dict:
-    file = os.path.join(path, "trainer_state.json")
-    if not os.path.isfile(file):
-        raise ValueError(f"{path} is not a nosa.train checkpoint (no trainer_state.json)")
-    with open(file) as f:
-        return json.load(f)
+    """The trainer state of the checkpoint at ``path``: step, phase, tokens seen."""
+    return _read_json(path, STATE_FILE)
+
+
+def read_run_config(path: str) -> dict:
+    """The TrainConfig (as a dict) of the run that wrote the checkpoint at ``path``."""
+    return _read_json(path, RUN_CONFIG_FILE)
 
 
 def latest(out_dir: str) -> str | None:
@@ -122,6 +125,14 @@ def mark_keep(path: str, label: str) -> None:
         os.remove(tmp)
     os.symlink(os.path.relpath(path, os.path.dirname(alias)), tmp)
     os.replace(tmp, alias)
+
+
+def _read_json(path: str, name: str) -> dict:
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        raise ValueError(f"{path} is not a nosa.train checkpoint (no {name})")
+    with open(file) as f:
+        return json.load(f)
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -1,9 +1,9 @@
 """Data: local files through ``datasets``, tokenised and packed to ``seq_len``.
 
 Rows are ``input_ids`` [seq_len], ``labels`` [seq_len] (-100 where no loss is taken), ``answers``
-[seq_len] (bool: the answer tokens of synthetic examples, which ``data.answer_weight`` weighs) and
-``position_ids`` [seq_len], plus ``task`` (the synthetic task name, "" for plain text). Two kinds
-of source:
+[seq_len] (bool: the answer tokens of synthetic examples, which nosa.train.loss weighs
+``data.answer_weight``) and ``position_ids`` [seq_len], plus ``task`` (the synthetic task name, ""
+for plain text). Two kinds of source:
 
 - plain text (``text_field`` only): tokens of all documents joined by EOS and cut into rows of
   exactly ``seq_len``; labels are the inputs.
@@ -189,7 +189,8 @@ def prepare_synthetic(
         else:
             sample = synthetic.make_split(list(synthetic.TASKS), 200, 4096, seed=sec.seed + 99)
             tok = train_tokenizer((ex["text"] for ex in sample), vocab_size, synthetic.RECALL_VALUES)
-        # Leave room for nothing else: rows hold one example of at most seq_len tokens.
+        # Examples as long as a row (less the BOS): one example per row, so its facts sit where
+        # head and tail put them relative to the row's sink blocks and local window.
         synthetic.write_dataset(
             sec.dir,
             sec.tasks,
@@ -209,14 +210,6 @@ def prepare_synthetic(
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return sec.dir
-
-
-def loss_weights(labels: torch.Tensor, answers: torch.Tensor, answer_weight: float) -> torch.Tensor:
-    """The loss weight of predicting token i + 1 from position i: labels, answers [..., L] ->
-    [..., L - 1] float; 0 where the token carries no label, ``answer_weight`` for an answer token,
-    1 otherwise (``data.answer_weight``; 1 everywhere labelled gives the plain mean)."""
-    target, answer = torch.as_tensor(labels)[..., 1:], torch.as_tensor(answers)[..., 1:].float()
-    return (target != IGNORE).float() * (1 + (answer_weight - 1) * answer)
 
 
 def batch_at(

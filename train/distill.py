@@ -7,14 +7,14 @@ teaches its head to keep it. Here each head learns, from the dense attention of 
 on training rows, which tokens later queries attend to from beyond their local window; then A is
 set to ``distill_scale`` so the static (query-agnostic) part of the selection ranks blocks by it.
 
-Target of token j and KV head h: the largest dense attention probability any query head of h's
-group gives j from a row t whose local window does not cover j (t // B - j // B >= window_blocks),
-over the rows of one document, each row weighed by what the training loss weighs its prediction
-(``row_weights``: 0 for a row whose next token carries no label, ``data.answer_weight`` for one that
-predicts an answer, 1 otherwise; divided by the largest). The heads thus learn what the objective
-needs from far away: with filler that repeats, the dense model also looks far back to copy filler,
-and unweighted targets ranked those filler tokens with the facts, so the static selection kept
-filler (measured: README, "Accuracy benchmark"). Sink-block tokens and tokens no such row sees
+Target of token j and KV head h: the largest dense attention probability any query head of h's group
+gives j from a row t whose local window does not cover j (t // B - j // B >= window_blocks), over
+the rows of one document, each row weighed by what the training loss weighs its prediction
+(nosa.train.loss.row_weights: 0 for a row whose next token carries no label, ``data.answer_weight``
+for one that predicts an answer, 1 otherwise; divided by the largest). The heads thus learn what the
+objective needs from far away: with filler that repeats, the dense model also looks far back to copy
+filler, and unweighted targets ranked those filler tokens with the facts, so the static selection
+kept filler (measured: README, "Accuracy benchmark"). Sink-block tokens and tokens no such row sees
 carry no target. The head's logit ``W v_j + b`` (cis = A * softplus of it) is fitted to the target
 by binary cross-entropy with soft labels (``balanced_bce``), on inputs captured once (v does not
 depend on W, b), so the fit costs a few forward passes and no backward through the model.
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from nosa.config import NosaConfig
 from nosa.eviction import MODULE_NAME
-from nosa.train.data import loss_weights
+from nosa.train.loss import row_weights
 from nosa.train.metrics import dense_probs, first_document
 
 
@@ -46,13 +46,6 @@ def attention_targets(q, k, cfg: NosaConfig, scale: float, weight: torch.Tensor 
     target = probs.amax(dim=0).reshape(hkv, hq // hkv, length).amax(dim=1).transpose(0, 1)  # [L, Hkv]
     valid = far.any(dim=0) & (pos >= cfg.sink_blocks * cfg.block_size)
     return target, valid[:, None].expand(length, hkv)
-
-
-def row_weights(labels: torch.Tensor, answers: torch.Tensor, answer_weight: float) -> torch.Tensor:
-    """The loss weight of each row's next-token prediction (``loss_weights``, as the training loss
-    weighs it): labels, answers [L] -> [L] float, the last row 0 (it predicts nothing)."""
-    weight = loss_weights(labels, answers, answer_weight)
-    return torch.cat([weight, weight.new_zeros(1)])
 
 
 def fit_eviction_heads(

@@ -1,22 +1,26 @@
-"""The training run: tokenizer and data, model, then up to two phases on a DeepSpeed engine:
-``dense`` (``dense_steps`` steps of the dense model) and ``nosa`` (convert, then ``steps`` steps).
-Steps are counted globally across phases; eval and checkpoints happen every N steps and at the
-last step of each phase. Reads top to bottom."""
+"""The training run: tokenizer and data, model, then up to two phases, each a ``Phase`` on its own
+DeepSpeed engine: ``dense`` (``dense_steps`` steps of the dense model) and ``nosa`` (convert, then
+``steps`` steps). Steps are counted globally across phases; eval and checkpoints happen every N
+steps and at the last step of each phase. Reads top to bottom: ``run`` sets up and prints the
+derived numbers, ``Phase.run`` is the step loop.
+"""
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from nosa.train import checkpoint, synthetic
 from nosa.train.config import TrainConfig
-from nosa.train.data import IGNORE, batch_at, build_rows, loss_weights, offline_env, prepare_synthetic
+from nosa.train.data import batch_at, build_rows, offline_env, prepare_synthetic
 from nosa.train.distill import fit_eviction_heads
 from nosa.train.engine import ds_config, init_distributed, initialize, zero_stage
+from nosa.train.loss import weighted_loss
 from nosa.train.metrics import evaluate, selection_stats
 from nosa.train.model import build_model, eviction_scales, is_nosa, load_model, param_groups, to_nosa
 from nosa.train.tokenizer import load_tokenizer
@@ -75,21 +79,25 @@ def run(cfg: TrainConfig) -> dict:
         model = build_model(cfg.model.build, tokenizer)
     if is_nosa(model.config) and state["step"] < cfg.dense_steps:
         raise ValueError(f"dense_steps={cfg.dense_steps} but the model is already NOSA; set dense_steps=0")
-    tokens_per_step = cfg.micro_batch * cfg.grad_accum * world * cfg.seq_len
+
+    # ---- derived numbers ------------------------------------------------------------------------
+    tokens_per_step = cfg.micro_batch * cfg.grad_accum * world * cfg.seq_len  # every curriculum stage too
+    stage = zero_stage(dscfg)
+    phases = [("dense", 0, cfg.dense_steps), ("nosa", cfg.dense_steps, cfg.total_steps)]
     params = sum(p.numel() for p in model.parameters())
     print0(
         f"model {type(model).__name__}: {params / 1e6:.2f}M params; {len(rows)} train rows of "
-        f"{cfg.seq_len} tokens; {tokens_per_step} tokens/step; world {world}; device {device}"
+        f"{cfg.seq_len} tokens; {tokens_per_step} tokens/step; world {world}; device {device}; ZeRO stage {stage}; "
+        + ", ".join(f"{name} steps {start + 1}-{end}" for name, start, end in phases if end > start)
     )
     logger = Logger(cfg.out_dir, cfg.to_dict(), cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name, cfg.wandb.dir, rank)
 
     # ---- phases ---------------------------------------------------------------------------------
     last: dict = {}
-    phases = [("dense", 0, cfg.dense_steps), ("nosa", cfg.dense_steps, cfg.total_steps)]
-    for phase, start, end in phases:
-        if end <= max(start, state["step"]):
+    for name, start, end in phases:
+        if end <= max(start, state["step"]):  # empty, or done before the resume point
             continue
-        if phase == "nosa" and not is_nosa(model.config):
+        if name == "nosa" and not is_nosa(model.config):
             to_nosa(model, cfg.nosa_config)
             print0(f"converted to NOSA: {cfg.nosa_config}")
             if cfg.distill_rows:
@@ -102,62 +110,92 @@ def run(cfg: TrainConfig) -> dict:
                               for k, v in evaluate(model, eval_rows, cfg.eval_examples).items()}
                 print0("converted model: " + ", ".join(f"{k} {v:.4f}" for k, v in start_eval.items()))
                 logger.log(start_eval, step=state["step"])
-        lr = cfg.optim.lr if phase == "nosa" else (cfg.dense_lr or cfg.optim.lr)
-        freeze = cfg.freeze_base and phase == "nosa"
+        lr = cfg.optim.lr if name == "nosa" else (cfg.dense_lr or cfg.optim.lr)
+        freeze = cfg.freeze_base and name == "nosa"
         groups = param_groups(model, lr, cfg.optim.lr_evict, cfg.optim.weight_decay, freeze)
         engine = initialize(
             model, groups, dscfg, cfg.optim.betas, cfg.optim.warmup_steps, end - start, cfg.optim.min_lr_ratio
         )
-        if resume and state["step"] > start:
+        if resume and state["step"] > start:  # resumed inside this phase: its optimizer and lr schedule
             checkpoint.load_engine_state(engine, resume)
-        last = _train_phase(
-            cfg,
-            phase,
-            engine,
-            tokenizer,
-            rows_at,
-            eval_rows,
-            state,
-            end,
-            rank,
-            world,
-            tokens_per_step,
-            zero_stage(dscfg),
-            logger,
-            print0,
+        phase = Phase(
+            name=name, end=end, engine=engine, cfg=cfg, rows_at=rows_at, eval_rows=eval_rows, tokenizer=tokenizer,
+            logger=logger, print0=print0, state=state, rank=rank, world=world, tokens_per_step=tokens_per_step,
+            zero_stage=stage,
         )
+        last = phase.run()
     logger.finish()
     return {"metrics": last, "model": model}
 
 
-def weighted_loss(logits, labels, answers, answer_weight: float = 1.0):
-    """Next-token cross-entropy over the labelled tokens, answer tokens weighing ``answer_weight``
-    (1: the plain mean, what transformers' ``labels=`` loss computes).
-    logits [b, L, V]; labels [b, L] (-100: no loss); answers [b, L] bool."""
-    ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE,
-                         reduction="none")
-    weight = loss_weights(labels, answers, answer_weight)
-    return (ce * weight.flatten()).sum() / weight.sum().clamp(min=1)
+@dataclass
+class Phase:
+    """One phase of the run on its own DeepSpeed engine: trains from ``state["step"]`` up to step
+    ``end`` (steps counted across phases), evaluates, logs and saves when due."""
 
+    name: str  # "dense" or "nosa"
+    end: int
+    engine: Any  # deepspeed.DeepSpeedEngine; engine.module is the model
+    cfg: TrainConfig
+    rows_at: dict[int, Any]  # training rows (datasets.Dataset) by row length: curriculum stages and seq_len
+    eval_rows: Any | None  # held-out rows at seq_len, or None (no eval)
+    tokenizer: Any  # saved with every checkpoint
+    logger: Logger
+    print0: Callable[..., None]  # print on rank 0
+    state: dict  # the run's counters {"step": steps done, "tokens": tokens seen}, shared by both phases
+    rank: int
+    world: int
+    tokens_per_step: int  # micro_batch * grad_accum * world * seq_len
+    zero_stage: int  # a ZeRO-3 checkpoint gathers the partitioned parameters first
 
-def _train_phase(
-    cfg, phase, engine, tokenizer, rows_at, eval_rows, state, end, rank, world, tokens_per_step, stage, logger, print0
-) -> dict:
-    from tqdm import tqdm
+    def run(self) -> dict:
+        """Train up to ``end``; returns the last step's metrics."""
+        from tqdm import tqdm
 
-    model = engine.module
-    device = engine.device
-    bar = tqdm(total=end, initial=state["step"], desc=phase, disable=rank != 0 or not cfg.progress, dynamic_ncols=True)
-    metrics: dict = {}
-    while state["step"] < end:
-        step = state["step"]
-        lrs = {f"lr/{g.get('name', 'all')}": g["lr"] for g in engine.optimizer.param_groups}
-        t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
+        cfg, state = self.cfg, self.state
+        bar = tqdm(total=self.end, initial=state["step"], desc=self.name, disable=self.rank != 0 or not cfg.progress,
+                   dynamic_ncols=True)
+        metrics: dict = {}
+        while state["step"] < self.end:
+            # the learning rates this step trains with (the scheduler moves them in engine.step)
+            lrs = {f"lr/{g.get('name', 'all')}": g["lr"] for g in self.engine.optimizer.param_groups}
+            t0 = time.perf_counter()
+            loss = self.step(state["step"])
+            dt = time.perf_counter() - t0
+            state["step"] += 1
+            state["tokens"] += self.tokens_per_step
+            done = state["step"]
+            last_step = done == self.end
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"step {done}: loss is {float(loss)}")
+            metrics = {
+                "train/loss": float(loss),
+                "train/tokens_per_s": self.tokens_per_step / dt,
+                "train/tokens": state["tokens"],
+                "train/phase": int(self.name == "nosa"),
+                **lrs,
+            }
+            metrics.update(self.measure(done, last_step))
+            if done % cfg.log_every == 0 or last_step or any(k.startswith("eval/") for k in metrics):
+                self.logger.log(metrics, step=done)
+            bar.set_postfix(loss=f"{float(loss):.4f}", acc=metrics.get("eval/acc", float("nan")))
+            bar.update(1)
+            if last_step or _every(cfg.save_every, done):
+                self.save(done, last_step)
+        bar.close()
+        return metrics
+
+    def step(self, step: int) -> torch.Tensor:
+        """Optimizer step ``step`` (0-based): ``grad_accum`` micro batches of this rank, at the row
+        length of the curriculum stage. Returns the loss averaged over micro batches and ranks, a
+        scalar."""
+        cfg, engine = self.cfg, self.engine
+        device = engine.device
         length, micro_batch = cfg.stage_at(step)
-        rows = rows_at[length]
+        rows = self.rows_at[length]
+        loss_sum = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
-            batch = batch_at(rows, step, micro, cfg.grad_accum, micro_batch, rank, world, cfg.seed)
+            batch = batch_at(rows, step, micro, cfg.grad_accum, micro_batch, self.rank, self.world, cfg.seed)
             # position_ids restart per packed document and, with no cache, give both the dense and
             # the NOSA attention a per-document mask (nosa.train.data)
             out = engine(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
@@ -165,54 +203,45 @@ def _train_phase(
             micro_loss = weighted_loss(out.logits, batch["labels"].to(device), batch["answers"].to(device),
                                        cfg.data.answer_weight)
             engine.backward(micro_loss)
-            engine.step()
+            engine.step()  # DeepSpeed applies the update only at the last micro batch of the step
             loss_sum += micro_loss.detach().float()
         loss = loss_sum / cfg.grad_accum
-        if world > 1:
+        if self.world > 1:
             dist.all_reduce(loss)
-            loss /= world
-        dt = time.perf_counter() - t0
-        state["step"] = step + 1
-        state["tokens"] = state.get("tokens", 0) + tokens_per_step
-        done = state["step"]
-        last_step = done == end
-        metrics = {
-            "train/loss": float(loss),
-            "train/tokens_per_s": tokens_per_step / dt,
-            "train/tokens": state["tokens"],
-            "train/phase": int(phase == "nosa"),
-            **lrs,
-        }
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"step {done}: loss is {float(loss)}")
-        if is_nosa(model.config):
+            loss /= self.world
+        return loss
+
+    def measure(self, done: int, last_step: bool) -> dict[str, float]:
+        """What is due after ``done`` steps: A of every eviction head (every step of a NOSA model),
+        the held-out eval (every ``eval_every`` steps and at the phase's last step) and the selection
+        statistics of one row (with the eval, and every ``stats_every`` steps)."""
+        cfg, model = self.cfg, self.engine.module
+        nosa = is_nosa(model.config)
+        out: dict[str, float] = {}
+        if nosa:
             for layer, a in eviction_scales(model).items():
-                metrics[f"evict_A/layer{layer}"] = float(a.mean())
-                metrics[f"evict_A_absmax/layer{layer}"] = float(a.abs().max())
-        if eval_rows is not None and (last_step or (cfg.eval_every and done % cfg.eval_every == 0)):
-            metrics.update(evaluate(model, eval_rows, cfg.eval_examples))
-        stats_due = cfg.stats_every and done % cfg.stats_every == 0
-        if is_nosa(model.config) and (last_step or stats_due or (cfg.eval_every and done % cfg.eval_every == 0)):
-            sample = (eval_rows or rows_at[cfg.seq_len])[0]
-            metrics.update(selection_stats(model, sample["input_ids"], cfg.nosa_config,
-                                           position_ids=sample["position_ids"]))
-        if done % cfg.log_every == 0 or last_step or any(k.startswith("eval/") for k in metrics):
-            logger.log(metrics, step=done)
-        bar.set_postfix(loss=f"{float(loss):.4f}", acc=metrics.get("eval/acc", float("nan")))
-        bar.update(1)
-        if last_step or (cfg.save_every and done % cfg.save_every == 0):
-            path = checkpoint.save(
-                engine,
-                tokenizer,
-                cfg.to_dict(),
-                cfg.out_dir,
-                done,
-                dict(state, phase=phase),
-                cfg.keep_checkpoints,
-                stage,
-            )
-            if last_step:
-                checkpoint.mark_keep(path, phase)
-            print0(f"\nsaved {path}")
-    bar.close()
-    return metrics
+                out[f"evict_A/layer{layer}"] = float(a.mean())
+                out[f"evict_A_absmax/layer{layer}"] = float(a.abs().max())
+        eval_due = last_step or _every(cfg.eval_every, done)
+        if self.eval_rows is not None and eval_due:
+            out.update(evaluate(model, self.eval_rows, cfg.eval_examples))
+        if nosa and (eval_due or _every(cfg.stats_every, done)):
+            sample = (self.eval_rows if self.eval_rows is not None else self.rows_at[cfg.seq_len])[0]
+            out.update(selection_stats(model, sample["input_ids"], cfg.nosa_config,
+                                       position_ids=sample["position_ids"]))
+        return out
+
+    def save(self, done: int, last_step: bool) -> None:
+        """A checkpoint after ``done`` steps; the phase's last one is kept and linked as
+        ``<out_dir>/<phase name>``."""
+        cfg = self.cfg
+        path = checkpoint.save(self.engine, self.tokenizer, cfg.to_dict(), cfg.out_dir, done,
+                               dict(self.state, phase=self.name), cfg.keep_checkpoints, self.zero_stage)
+        if last_step:
+            checkpoint.mark_keep(path, self.name)
+        self.print0(f"\nsaved {path}")
+
+
+def _every(n: int, step: int) -> bool:
+    """Whether a task set to run every ``n`` steps (0: never) is due after ``step`` steps."""
+    return bool(n) and step % n == 0

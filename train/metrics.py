@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from nosa.attention import nosa_prefill
+from nosa.attention.prefill import nosa_prefill
 from nosa.config import NosaConfig
 from nosa.eviction import MODULE_NAME
 from nosa.hf import capture_attention_inputs

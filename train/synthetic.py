@@ -45,10 +45,6 @@ RECALL_PAIRS = 4  # facts per example, each at its own depth
 RECALL_QUERIES = 4  # questions per example (every fact asked once, in random order)
 
 
-def _word(rng: random.Random) -> str:
-    return "".join(rng.choice(_CONS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 3)))
-
-
 # A fixed lexicon of three-syllable pseudo-words: a word's third syllable follows from its first
 # two, so an LM loss on the filler rewards a previous-token head early, the first half of the
 # induction circuit that retrieval needs.

@@ -1,4 +1,4 @@
-"""Unit tests of the I/O-adaptive admission policy (nosa.serve.admission) with a simulated link:
+"""Unit tests of the I/O-adaptive admission policy (nosa.serve.offload.admission) with a simulated link:
 the decisions change the way the documented policy says."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nosa.serve.admission import Admission, AdmissionPolicy, probe_bandwidth
+from nosa.serve.offload.admission import Admission, AdmissionPolicy, probe_bandwidth
 
 ITEM = 1000  # bytes per (block, KV head) item
 TOPK = 8
@@ -114,7 +114,7 @@ def test_block_cache_lends_idle_columns_as_extra_slots_and_takes_them_back():
     columns: with 4 slots its alternating selections become hits; group 1 starting takes its
     columns back and group 0's borrowed blocks are dropped. Resolved rows always hold the right data."""
     pytest.importorskip("sglang")
-    from nosa.serve.block_cache import DeviceBlockCache
+    from nosa.serve.offload.block_cache import DeviceBlockCache
 
     B, HKV, D = 4, 2, 3
     cache = DeviceBlockCache(1, 3, HKV, 4, B, D, D, torch.float32, "cpu", home_slots=2)
@@ -125,7 +125,7 @@ def test_block_cache_lends_idle_columns_as_extra_slots_and_takes_them_back():
 
     def step(i, rows=(1,)):
         wanted = picks[i % 2].expand(len(rows), HKV, 2)
-        found = cache.resolve(0, list(rows), wanted, [40] * len(rows), wanted + 5, host)
+        found = cache.resolve(0, cache.groups_of(list(rows)), wanted, [40] * len(rows), wanted + 5, host)
         want_k = host[0][((wanted + 5) * HKV + torch.arange(HKV)[None, :, None]).flatten()]
         got_k = found.k.view(-1, B, D)[found.slots.flatten()]
         assert torch.equal(got_k, want_k)

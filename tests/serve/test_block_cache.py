@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("sglang")
 
-from nosa.serve.block_cache import DeviceBlockCache  # noqa: E402
-from nosa.serve.host_pool import HostKVPool  # noqa: E402
-from nosa.serve.offload_config import OffloadSettings  # noqa: E402
+from nosa.serve.offload.block_cache import DeviceBlockCache, NewTokens  # noqa: E402
+from nosa.serve.offload.host_pool import HostKVPool  # noqa: E402
+from nosa.serve.offload.settings import OffloadSettings  # noqa: E402
 
 B, HKV, D = 4, 2, 3
 
@@ -74,7 +74,7 @@ def test_slot_diff_keeps_hits_and_fills_freed_slots_like_a_plain_model():
                 wanted[i, h, : len(picks)] = torch.tensor(picks)
         pages = torch.where(wanted >= 0, torch.tensor([[[page_of[r][max(b, 0)] for b in wanted[i, h].tolist()]
                                                         for h in range(HKV)] for i, r in enumerate((1, 2))]), -1)
-        found = cache.resolve(0, [1, 2], wanted, [48, 48], pages, host)
+        found = cache.resolve(0, cache.groups_of([1, 2]), wanted, [48, 48], pages, host)
         for i, r in enumerate((1, 2)):
             for h in range(HKV):
                 want = [b for b in wanted[i, h].tolist() if b >= 0]
@@ -113,9 +113,9 @@ def test_new_token_is_written_through_into_the_resident_tail_block():
     cache, host = _cache(groups=1, ns=2), _host()
     wanted = torch.tensor([[[0, 1], [0, 1]]])
     pages = torch.tensor([[[7, 9], [7, 9]]])
-    cache.resolve(0, [1], wanted, [6], pages, host)  # cold: both blocks recalled
+    cache.resolve(0, cache.groups_of([1]), wanted, [6], pages, host)  # cold: both blocks recalled
     k_new, v_new, c_new = torch.randn(1, HKV, D), torch.randn(1, HKV, D), torch.randn(1, HKV)
-    found = cache.resolve(0, [1], wanted, [7], pages, host, new_tokens=(k_new, v_new, c_new))
+    found = cache.resolve(0, cache.groups_of([1]), wanted, [7], pages, host, new_tokens=NewTokens(k_new, v_new, c_new))
     assert cache.stats["misses"][0] == 4 and cache.stats["hits"][0] == 4  # the tail block was a hit
     for h in range(HKV):
         slot = h * 2 + cache.blocks[0][0, h].tolist().index(1)
@@ -123,7 +123,7 @@ def test_new_token_is_written_through_into_the_resident_tail_block():
     assert found.valid.sum() == HKV * 7  # tokens 0..6 of the two blocks
     # a step that skipped tokens (a prefill chunk went to the host only) drops the stale tail block
     # length 7 -> 9: token 7 went to the host pool only (as a prefill chunk's tokens do)
-    cache.resolve(0, [1], wanted, [9], pages, host, new_tokens=(k_new, v_new, c_new))
+    cache.resolve(0, cache.groups_of([1]), wanted, [9], pages, host, new_tokens=NewTokens(k_new, v_new, c_new))
     assert cache.stats["misses"][0] == 4 + HKV  # block 1 recalled again (its token 7 skipped the cache), block 0 a hit
 
 
@@ -146,12 +146,12 @@ def test_resolved_slots_give_the_kernel_the_same_attention_as_the_rows(monkeypat
     """The (items, slots, fill) form of a resolve, which nosa.ops.slot_decode reads on CUDA, is the
     same set of keys as its rows: equal attention (reference and the Triton kernel, interpreted)."""
     from nosa import ops
-    from nosa.attention import NEG_INF, attend_gathered
+    from nosa.attention.math import NEG_INF, attend_gathered
 
     cache, host = _cache(groups=2, ns=3), _host()
     wanted = torch.tensor([[[0, 2, 1], [2, -1, 0]], [[3, 1, -1], [0, 1, 3]]])
     pages = torch.where(wanted >= 0, wanted + 5, -1)
-    found = cache.resolve(0, [1, 2], wanted, [11, 14], pages, host)
+    found = cache.resolve(0, cache.groups_of([1, 2]), wanted, [11, 14], pages, host)
     q = torch.randn(2, 4, D)
     bias = torch.where(found.valid, found.cis[found.rows], NEG_INF)
     want = attend_gathered(q, found.k, found.v, found.rows, bias, 0.5)

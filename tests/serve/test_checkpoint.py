@@ -6,11 +6,11 @@ import json
 import os
 
 import pytest
-import sglang_tiny as tiny  # tests/serve is on sys.path (rootdir-relative import mode)
 import torch
 
 import nosa
 from nosa.serve.checkpoint import load_eviction_heads, load_nosa_config
+from nosa.serve.tools import tiny_checkpoint as tiny
 
 CFG = nosa.NosaConfig.tiny(dense_len=64)
 
@@ -20,10 +20,15 @@ def nosa_ckpt(tmp_path_factory):
     return tiny.make_checkpoint(str(tmp_path_factory.mktemp("nosa")), CFG, evict_scale=0.7)
 
 
-def test_config_and_heads_match_hf(nosa_ckpt):
-    cfg, from_ckpt = load_nosa_config(nosa_ckpt)
+@pytest.mark.parametrize("form", ["nosa", "legacy"])
+def test_config_and_heads_match_hf(nosa_ckpt, legacy_copy, tmp_path, form):
+    """Both checkpoint formats (nosa.checkpoint_format) give the backend the same NosaConfig and heads."""
+    ckpt = nosa_ckpt if form == "nosa" else legacy_copy(nosa_ckpt, tmp_path / "legacy")
+    with open(os.path.join(ckpt, "config.json")) as f:
+        assert json.load(f)["model_type"] == {"nosa": "nosa_llama", "legacy": "llama"}[form]
+    cfg, from_ckpt = load_nosa_config(ckpt)
     assert from_ckpt and cfg == CFG
-    heads = load_eviction_heads(nosa_ckpt, num_layers=2, num_kv_heads=2, head_dim=32, device="cpu")
+    heads = load_eviction_heads(ckpt, num_layers=2, num_kv_heads=2, head_dim=32, device="cpu")
     model = nosa.from_pretrained(nosa_ckpt, torch_dtype=torch.float32)
     v = torch.randn(5, 2, 32)
     for layer, head in zip(model.model.layers, heads):
@@ -44,6 +49,10 @@ def test_malformed_section_is_a_clear_error(nosa_ckpt, tmp_path):
     config["nosa"] = {"block_sise": 16}
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unknown field"):
+        load_nosa_config(str(bad))
+    del config["nosa"]  # a NOSA model type is never served as a dense checkpoint
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="model_type 'nosa_llama' but no 'nosa' section"):
         load_nosa_config(str(bad))
 
 

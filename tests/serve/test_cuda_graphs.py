@@ -10,9 +10,8 @@ import logging
 import pytest
 
 pytest.importorskip("sglang")
-import sglang_tiny as tiny  # noqa: E402  (tests/serve is on sys.path)
-
 from nosa.serve import cuda_graphs, plugin  # noqa: E402
+from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
 
 
 @pytest.fixture(scope="module")

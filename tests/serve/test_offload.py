@@ -19,14 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 pytest.importorskip("sglang")
-import sglang_tiny as tiny  # noqa: E402
+from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
 
 _MISSING = tiny.cpu_engine_missing()
 if _MISSING:
     pytest.skip(_MISSING, allow_module_level=True)
 
 import nosa  # noqa: E402
-from nosa.serve.process import ServerProcess  # noqa: E402
+from nosa.serve.tools.process import ServerProcess  # noqa: E402
 
 CFG = nosa.NosaConfig.tiny(dense_len=64)  # budget 8 blocks x 16 tokens = 128 tokens per request
 HOST, DEVICE = 3000, 256
@@ -86,13 +86,18 @@ def test_offload_equals_offload_off(servers):
         assert servers["on"].generate(prompt, NEW) == servers["off"].generate(prompt, NEW), length
 
 
-def test_concurrent_mixed_lengths_equal_offload_off(servers):
-    """8 requests at once; the device budget runs two at a time (SGLang queues the rest)."""
-    prompts = [tiny.prompt_ids(n, 100 + n) for n in (35, 90, 150, 260, 410, 520, 70, 333)]
+def _mixed_at_once_equal_offload_off(servers, name: str, seed: int) -> None:
+    """8 requests of mixed lengths sent to server ``name`` at once get offloading-off's tokens."""
+    prompts = [tiny.prompt_ids(n, seed + n) for n in (35, 90, 150, 260, 410, 520, 70, 333)]
     want = [servers["off"].generate(p, 8) for p in prompts]
     with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda p: servers["on"].generate(p, 8), prompts))
+        got = list(pool.map(lambda p: servers[name].generate(p, 8), prompts))
     assert got == want
+
+
+def test_concurrent_mixed_lengths_equal_offload_off(servers):
+    """8 requests at once; the device budget runs two at a time (SGLang queues the rest)."""
+    _mixed_at_once_equal_offload_off(servers, "on", seed=100)
 
 
 def test_context_many_times_the_device_budget_equals_hf(servers, ckpt):
@@ -171,11 +176,7 @@ def test_scheduling_and_admission_leave_outputs_unchanged(servers):
     for length, seed in LONG:
         prompt = tiny.prompt_ids(length, seed)
         assert servers["sched"].generate(prompt, NEW) == servers["off"].generate(prompt, NEW), length
-    prompts = [tiny.prompt_ids(n, 200 + n) for n in (35, 90, 150, 260, 410, 520, 70, 333)]
-    want = [servers["off"].generate(p, 8) for p in prompts]
-    with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda p: servers["sched"].generate(p, 8), prompts))
-    assert got == want
+    _mixed_at_once_equal_offload_off(servers, "sched", seed=200)
 
 
 def test_scheduled_counters_add_up_and_feed_the_dashboard(servers, tmp_path):

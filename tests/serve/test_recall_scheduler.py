@@ -1,4 +1,4 @@
-"""Unit tests of the interruptible layer-wise recall scheduler (nosa.serve.recall_scheduler) and of
+"""Unit tests of the interruptible layer-wise recall scheduler (nosa.serve.offload.recall) and of
 the device block cache's prefetch through it: preemption and resumption, dropped prefetches, a
 layer waiting only for its own blocks, and results that do not depend on timing."""
 
@@ -11,9 +11,16 @@ import time
 import pytest
 import torch
 
-from nosa.serve.recall_scheduler import DEMAND, PREFETCH, RecallScheduler
+from nosa.serve.offload.recall import DEMAND, PREFETCH, RecallScheduler
 
 ITEM = (4, 3)
+
+
+def _copy(dst, src, dst_idx, src_idx):
+    """copy_items in plain torch: item dst_idx[m] of every dst <- src_idx[m] of its src (-1: skip)."""
+    keep = src_idx >= 0
+    for d, s in zip(dst, src):
+        d[dst_idx[keep]] = s[src_idx[keep]]
 
 
 def _buffers(items=64, seed=0):
@@ -34,9 +41,7 @@ class Gate:
             self.blocked_once = True
             self.entered.set()
             assert self.release.wait(10)
-        for d, s in zip(dst, src):
-            keep = src_idx >= 0
-            d[dst_idx[keep]] = s[src_idx[keep]]
+        _copy(dst, src, dst_idx, src_idx)
 
 
 def test_demand_preempts_a_prefetch_at_the_next_chunk_boundary_and_the_prefetch_resumes():
@@ -88,8 +93,7 @@ def test_a_layer_waits_only_for_its_own_blocks():
     def copy(dst, src, dst_idx, src_idx):
         if int(dst_idx[0]) < 32:  # the prefetch's chunks are slow until released
             assert release.wait(10)
-        for d, s in zip(dst, src):
-            d[dst_idx] = s[src_idx]
+        _copy(dst, src, dst_idx, src_idx)
 
     sched = RecallScheduler(num_layers=2, chunk_items=4, copy_fn=copy)
     dst, src = _buffers()
@@ -143,7 +147,7 @@ B, HKV, D = 4, 2, 3
 
 
 def _cache(scheduler=None, groups=2, ns=4, layers=2):
-    from nosa.serve.block_cache import DeviceBlockCache
+    from nosa.serve.offload.block_cache import DeviceBlockCache
 
     return DeviceBlockCache(layers, groups, HKV, ns, B, D, D, torch.float32, "cpu", scheduler=scheduler)
 
@@ -164,6 +168,7 @@ def _run(cache, seed, prefetch: bool, steps=40):
     wanted = [[torch.tensor([[sorted(rng.sample(range(12), 3)) for _ in range(HKV)] for _ in range(2)])
                for _ in range(2)] for _ in range(steps)]
     outs, resident = [], []
+    groups = cache.groups_of([1, 2])
     for step in range(steps):
         if step % 8 == 0:
             cache.release_all()
@@ -172,9 +177,9 @@ def _run(cache, seed, prefetch: bool, steps=40):
             if prefetch and layer + 1 < 2:
                 guess = wanted[step][layer + 1].clone()
                 guess[..., rng.randrange(3)] = rng.randrange(12)
-                cache.prefetch(layer + 1, [1, 2], guess, lengths, guess, host[layer + 1])
+                cache.prefetch(layer + 1, groups, guess, lengths, guess, host[layer + 1])
             want = wanted[step][layer]
-            found = cache.resolve(layer, [1, 2], want, lengths, want, host[layer])  # block b -> host page b
+            found = cache.resolve(layer, groups, want, lengths, want, host[layer])  # block b -> host page b
             outs.append(found.k[found.rows.flatten()].clone())
             resident.append(cache.blocks[layer].clone())
     return outs, resident
@@ -213,7 +218,7 @@ def test_predicted_blocks_hold_the_static_part_and_the_previous_selection():
     of its real selection; the previous selection is in the guess too; dense requests: every block."""
     from nosa import NosaConfig
     from nosa.decode import NosaDecodeState
-    from nosa.serve.offload_kv import predicted_blocks
+    from nosa.serve.offload.kv import predicted_blocks
 
     cfg = NosaConfig.tiny(dense_len=64)
     g = torch.Generator().manual_seed(3)
@@ -254,8 +259,7 @@ def test_an_inline_demand_pauses_prefetching_at_the_chunk_boundary_and_prefetchi
             release.set()
             time.sleep(0.3)  # the worker is free now: it must not take the next prefetch chunk
             events.append(("demand end", 0))
-        for d, s in zip(dst, src):
-            d[dst_idx] = s[src_idx]
+        _copy(dst, src, dst_idx, src_idx)
 
     sched = RecallScheduler(num_layers=2, chunk_items=4, copy_fn=copy)
     dst, src = _buffers()

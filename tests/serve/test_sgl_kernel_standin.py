@@ -1,4 +1,4 @@
-"""The pure-torch stand-in for sgl_kernel's CPU helpers (serve/sgl_kernel_cpu/sgl_kernel)."""
+"""The pure-torch stand-in for sgl_kernel's CPU helpers (serve/tools/sgl_kernel_standin/sgl_kernel)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-PATH = os.path.join(os.path.dirname(__file__), "..", "..", "serve", "sgl_kernel_cpu", "sgl_kernel", "__init__.py")
+PATH = os.path.join(os.path.dirname(__file__), "..", "..", "serve", "tools", "sgl_kernel_standin", "sgl_kernel",
+                    "__init__.py")
 
 
 @pytest.fixture(scope="module")

@@ -15,19 +15,20 @@ import types
 import pytest
 
 pytest.importorskip("sglang")
-import sglang_tiny as tiny  # noqa: E402  (tests/serve is on sys.path: rootdir-relative import mode)
-
 from nosa.serve import validate  # noqa: E402
+from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
 
 _MISSING = tiny.cpu_engine_missing()
 CONTEXT_LEN = 512
 ARGS = ["--attention-backend", "torch_native", "--skip-server-warmup", "--sleep-on-idle", "--dtype", "float32",
-        "--max-total-tokens", "4096", "--mem-fraction-static", "0.3", "--context-length", str(CONTEXT_LEN)]
+        "--max-total-tokens", "4096", "--mem-fraction-static", "0.3", "--context-length", str(CONTEXT_LEN),
+        "--disable-radix-cache"]
 PROBE = tiny.prompt_ids(40, 3)
 SP = {"max_new_tokens": 4}
 
 # (name, path, body, what the message must say): each of these crashed the scheduler of SGLang
-# 0.5.23 (and every process with it) or was inconsistent with its neighbours (issue 10).
+# 0.5.23 (and every process with it) or was answered unlike a close variant of the same mistake; each
+# must now get HTTP 400 with a message saying what is wrong.
 CRASHERS = [
     ("batch with an empty row", "/generate", {"input_ids": [[]], "sampling_params": SP}, "no tokens"),
     ("batch: good row, empty row", "/generate", {"input_ids": [[1, 2], []], "sampling_params": SP}, "no tokens"),
@@ -40,6 +41,46 @@ CRASHERS = [
      {"model": "m", "prompt": [1, 2, 4000], "max_tokens": 4}, "input_ids[2] = 4000"),
     ("completions: batch row negative", "/v1/completions",
      {"model": "m", "prompt": [[1, 2], [-3]], "max_tokens": 4}, "input_ids[0] = -3"),
+    # logprobs: top-k over the vocabulary with k > vocab raised "selected index k out of range" in the
+    # sampler, on every route that asks for top logprobs
+    ("top_logprobs_num = vocab + 1", "/generate",
+     {"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": tiny.VOCAB + 1, "sampling_params": SP},
+     f"top_logprobs_num = {tiny.VOCAB + 1} must be in [0, {tiny.VOCAB}]"),
+    ("top_logprobs_num huge, n = 2", "/generate",
+     {"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": 10**9,
+      "sampling_params": {"max_new_tokens": 2, "n": 2}}, "top_logprobs_num = 1000000000"),
+    ("top_logprobs_num per batch row", "/generate",
+     {"input_ids": [[5, 6], [7, 8]], "return_logprob": True, "top_logprobs_num": [1, tiny.VOCAB + 1],
+      "sampling_params": SP}, f"top_logprobs_num = {tiny.VOCAB + 1}"),
+    ("top_logprobs_num negative", "/generate",
+     {"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": -2, "sampling_params": SP},
+     "top_logprobs_num = -2"),
+    ("completions: logprobs above the vocabulary", "/v1/completions",
+     {"model": "m", "prompt": [1, 2], "max_tokens": 2, "logprobs": tiny.VOCAB + 1},
+     f"top_logprobs_num = {tiny.VOCAB + 1}"),
+    ("chat: top_logprobs above the vocabulary", "/v1/chat/completions",
+     {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+      "top_logprobs": tiny.VOCAB + 1}, "`top_logprobs` in /v1/chat/completions"),
+    ("logprob_start_len below -1", "/generate",
+     {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": -5, "sampling_params": SP},
+     "logprob_start_len = -5 must be -1"),
+    ("logprob_start_len past the prompt", "/generate",
+     {"input_ids": [[5, 6], [7, 8, 9]], "return_logprob": True, "logprob_start_len": [0, 4], "sampling_params": SP},
+     "logprob_start_len = 4 must be -1 (no prompt logprobs) or in [0, the prompt's 3 tokens]"),
+    ("token_ids_logprob outside the vocabulary (SGLang's own check)", "/generate",
+     {"input_ids": [5, 6], "return_logprob": True, "token_ids_logprob": [tiny.VOCAB], "sampling_params": SP},
+     "token_ids_logprob"),
+    # input_embeds (this server runs --disable-radix-cache, which SGLang asks for with them): the model
+    # runner casts them to bfloat16, so on this float32 model even well-formed rows crashed the scheduler
+    ("input_embeds on a float32 model", "/generate",
+     {"input_embeds": [[0.1] * tiny.HIDDEN] * 3, "sampling_params": SP},
+     "input_embeds needs a model served in bfloat16"),
+    ("input_embeds empty (was a 500)", "/generate", {"input_embeds": [], "sampling_params": SP},
+     "input_embeds is empty"),
+    ("input_embeds with an empty row (was a 500)", "/generate", {"input_embeds": [[]], "sampling_params": SP},
+     "input_embeds[0] is empty"),
+    ("input_embeds ragged", "/generate", {"input_embeds": [[0.1] * tiny.HIDDEN, [0.1] * 5], "sampling_params": SP},
+     "input_embeds"),
 ]
 
 
@@ -47,7 +88,7 @@ CRASHERS = [
 def server(tmp_path_factory):
     if _MISSING:
         pytest.skip(_MISSING)
-    from nosa.serve.process import ServerProcess
+    from nosa.serve.tools.process import ServerProcess
 
     root = tmp_path_factory.mktemp("validation")
     ckpt = tiny.make_checkpoint(str(root / "ckpt"), None, seed=2)
@@ -143,6 +184,57 @@ def test_validate_prompt(ids, says):
             validate.validate_prompt(ids, 320)
 
 
+def _request(**fields):
+    base = {"return_logprob": True, "top_logprobs_num": 0, "logprob_start_len": -1}
+    return types.SimpleNamespace(**dict(base, **fields))
+
+
+@pytest.mark.parametrize("fields,prompt,says", [
+    ({"top_logprobs_num": 320}, 3, None), ({"top_logprobs_num": 321}, 3, "top_logprobs_num = 321"),
+    ({"top_logprobs_num": 321, "return_logprob": False}, 3, None),  # SGLang ignores it then
+    ({"top_logprobs_num": "5"}, 3, "must be an integer, got str"), ({"top_logprobs_num": True}, 3, "integer"),
+    ({"logprob_start_len": 3}, 3, None), ({"logprob_start_len": 0}, 3, None),
+    ({"logprob_start_len": 4}, 3, "logprob_start_len = 4"), ({"logprob_start_len": -2}, 3, "= -2"),
+    ({"logprob_start_len": 7}, None, None),  # multimodal: the length is not known at the door
+])
+def test_validate_logprobs(fields, prompt, says):
+    if says is None:
+        validate.validate_logprobs(_request(**fields), prompt, 320)
+    else:
+        with pytest.raises(ValueError, match=says):
+            validate.validate_logprobs(_request(**fields), prompt, 320)
+
+
+@pytest.mark.parametrize("embeds,dtype,says", [
+    ([[0.0] * 4] * 2, "bfloat16", None), ([[0.0] * 4] * 2, "float32", "needs a model served in bfloat16"),
+    ([], "bfloat16", "is empty"), ([[0.0] * 4, [0.0] * 3], "bfloat16", r"input_embeds\[1\] has 3 values"),
+    ([[]], "bfloat16", r"input_embeds\[0\] has 0 values"), ([1.0, 2.0], "bfloat16", "has float values"),
+])
+def test_validate_input_embeds(embeds, dtype, says):
+    """The per-request check (after SGLang split a batch): width, emptiness, the model's dtype."""
+    import torch
+
+    if says is None:
+        validate.validate_input_embeds(embeds, 4, getattr(torch, dtype))
+    else:
+        with pytest.raises(ValueError, match=says):
+            validate.validate_input_embeds(embeds, 4, getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("embeds,says", [
+    ([[0.5, 1]], None), ([[[0.5]], [[1.0]]], None), ([], r"input_embeds is empty"),
+    ([[]], r"input_embeds\[0\] is empty"), ([[[]]], r"input_embeds\[0\]\[0\] is empty"),
+    ([1.0], "must be rows of numbers"), ([[["a"]]], "must be rows of numbers"), ([[[[1.0]]]], "rows of numbers"),
+])
+def test_check_embeds_shape(embeds, says):
+    """The shape check that runs before SGLang indexes input_embeds[0][0] to find the batch size."""
+    if says is None:
+        validate.check_embeds_shape(embeds)
+    else:
+        with pytest.raises(ValueError, match=says):
+            validate.check_embeds_shape(embeds)
+
+
 def test_scrub_paths_keeps_the_message():
     msg = 'bad\n  File "/work/main/.venv/lib/python3.11/site-packages/sglang/srt/x.py", line 9, in f'
     assert validate.scrub_paths(msg) == 'bad\n  File "<path>/x.py", line 9, in f'
@@ -158,7 +250,7 @@ def test_hooks_apply_and_the_start_up_check_sees_them():
 
     validate.install()
     validate.install()  # idempotent: one hook per target
-    assert sum(h is validate._around_validate for _, h, _ in HookRegistry._hooks[validate.VALIDATE_TARGET]) == 1
+    assert sum(h is validate.around_validate for _, h, _ in HookRegistry._hooks[validate.VALIDATE_TARGET]) == 1
     HookRegistry.apply_hooks()
     validate.check_installed()
     fake = types.SimpleNamespace(model_config=types.SimpleNamespace(vocab_size=10))

@@ -1,12 +1,10 @@
-"""Fitting the eviction heads to the dense attention (nosa.train.distill) and the answer-weighted
-loss of the training loop."""
+"""Fitting the eviction heads to the dense attention (nosa.train.distill)."""
 
 import pytest
 import torch
 
 from nosa.config import NosaConfig
-from nosa.train.distill import attention_targets, balanced_bce, fit_eviction_heads, row_weights
-from nosa.train.loop import weighted_loss
+from nosa.train.distill import attention_targets, balanced_bce, fit_eviction_heads
 
 CFG = NosaConfig(block_size=4, compress_kernel=2, compress_stride=2, sink_blocks=1, window_blocks=2,
                  topk_blocks=4, query_blocks=1, dense_len=0)
@@ -35,21 +33,6 @@ def test_targets_match_a_brute_force_over_far_rows(weighted):
                     seen[j] = True
     torch.testing.assert_close(target, want)
     assert torch.equal(valid[:, 0], seen & (torch.arange(length) >= 4))  # sink block excluded
-
-
-def test_row_weights_are_the_loss_weights():
-    """row t's weight is what weighted_loss gives the prediction of token t + 1."""
-    torch.manual_seed(1)
-    logits = torch.randn(1, 12, 10)
-    labels = torch.randint(0, 10, (1, 12))
-    labels[0, [0, 3, 7]] = -100
-    answers = torch.zeros(1, 12, dtype=torch.bool)
-    answers[0, [5, 9]] = True
-    w = row_weights(labels[0], answers[0], 6.0)
-    assert w.shape == (12,) and w[-1] == 0 and w[2] == 0 and w[4] == 6 and w[8] == 6 and w[1] == 1
-    ce = torch.nn.functional.cross_entropy(logits[0], torch.cat([labels[0, 1:], labels[0, :1]]), reduction="none",
-                                           ignore_index=-100)
-    torch.testing.assert_close(weighted_loss(logits, labels, answers, 6.0), (ce * w).sum() / w.sum())
 
 
 def test_fit_learns_which_values_are_attended():
@@ -102,22 +85,6 @@ def test_fit_on_a_model_sets_a_and_keeps_outputs_finite():
     for layer in model.model.layers:
         assert torch.equal(layer.self_attn.nosa_evict.scale, torch.full((1,), 0.25))
     assert torch.isfinite(model(input_ids=rows[0]["input_ids"][None]).logits).all()
-
-
-def test_weighted_loss_is_the_plain_mean_at_weight_one_and_weighs_answers():
-    torch.manual_seed(0)
-    logits = torch.randn(2, 6, 10)
-    labels = torch.randint(0, 10, (2, 6))
-    labels[0, 2] = -100
-    answers = torch.zeros(2, 6, dtype=torch.bool)
-    answers[1, 4] = True
-    plain = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-    torch.testing.assert_close(weighted_loss(logits, labels, answers, 1.0), plain)
-    ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
-                                           reduction="none").reshape(2, 5)
-    w = (labels[:, 1:] != -100).float()
-    w[1, 3] = 5.0  # answers[1, 4] is predicted at position 3
-    torch.testing.assert_close(weighted_loss(logits, labels, answers, 5.0), (ce * w).sum() / w.sum())
 
 
 def test_bad_distill_settings_are_refused():

@@ -5,14 +5,11 @@ Each decode step (``begin`` at its first layer, ``end`` after its last) becomes 
 step's wall time (attention layers and what runs between them), its batch size, and per layer the
 change in the block cache's counters (selected, hits, misses, prefetch hits, prefetched and
 dropped items, recalled bytes) and the recall scheduler's (recall seconds for demand and prefetch,
-stall seconds: time a layer waited for its own blocks), plus resident slots and the admission
-controller's state and decisions. The newest ``keep`` (256) records go into the stats file
-($NOSA_SERVE_STATS_FILE, key ``timeline``); with $NOSA_SERVE_WANDB set (offline, online;
-disabled: off) every record is logged to W&B as the training loop does (nosa.wandb_log:
-offline by default, into $NOSA_SERVE_WANDB_DIR, also a metrics.jsonl there).
-
-``end`` also feeds admission: the step's compute time (wall minus stalls), the link bandwidth
-seen by its copies, each request's recalled bytes, then the extra slot grants for the next step.
+stall seconds: time a layer waited for its own blocks), plus resident slots and, when the engine
+adds it, the admission controller's state and decisions. ``log`` keeps the newest ``keep`` (256)
+records for the stats file ($NOSA_SERVE_STATS_FILE, key ``timeline``); with $NOSA_SERVE_WANDB set
+(offline, online; disabled: off) every record is logged to W&B as the training loop does
+(nosa.wandb_log: offline by default, into $NOSA_SERVE_WANDB_DIR, also a metrics.jsonl there).
 """
 
 from __future__ import annotations
@@ -20,20 +17,45 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from dataclasses import dataclass
 
 ENV_WANDB = "NOSA_SERVE_WANDB"
 ENV_WANDB_DIR = "NOSA_SERVE_WANDB_DIR"
 CACHE_KEYS = ("selected", "hits", "misses", "prefetch_hits", "prefetched", "prefetch_dropped", "recalled_bytes")
 
 
+@dataclass
+class StepRecord:
+    """One decode step: wall and stall seconds (unrounded; the stall is the layers' waits for their
+    own copies), resident slots, per-layer counter deltas ``layers`` (key -> [layers]) and the
+    admission snapshot after the step's decisions (None without admission)."""
+
+    step: int
+    time: float
+    batch: int
+    wall_seconds: float
+    stall_seconds: float
+    resident_slots: int
+    layers: dict[str, list]
+    admission: dict | None = None
+
+    def to_json(self) -> dict:
+        out = {"step": self.step, "time": self.time, "batch": self.batch, "wall_seconds": round(self.wall_seconds, 6),
+               "stall_seconds": round(self.stall_seconds, 6), "resident_slots": self.resident_slots,
+               "layers": self.layers}
+        if self.admission is not None:
+            out["admission"] = self.admission
+        return out
+
+
 class StepStats:
-    def __init__(self, cache, scheduler=None, admission=None, keep: int = 256):
-        self.cache, self.scheduler, self.admission = cache, scheduler, admission
+    def __init__(self, cache, scheduler=None, keep: int = 256):
+        self.cache, self.scheduler = cache, scheduler
         self.timeline: deque = deque(maxlen=keep)
         self.step = 0
-        self._start = None
-        self._before = None
-        self._lengths: dict[int, int] = {}
+        self._start = 0.0
+        self._before: dict = {}
+        self._batch = 0
         self.logger = _wandb_logger()
 
     def _counters(self) -> dict:
@@ -47,37 +69,28 @@ class StepStats:
             c["stall_seconds"] = list(self.cache.stats["stall_seconds"])
         return c
 
-    def begin(self, rows: list[int], lengths: list[int]) -> None:
+    def begin(self, batch: int) -> None:
+        """A decode step of ``batch`` requests starts (before its first layer)."""
         self._start = time.perf_counter()
         self._before = self._counters()
-        self._lengths = {self.cache.group_of(r): n for r, n in zip(rows, lengths)}
-        self.cache.group_bytes.clear()
+        self._batch = batch
 
-    def end(self) -> dict | None:
-        if self._start is None:
-            return None
+    def end(self) -> StepRecord:
+        """The step's record (after its last layer); ``log`` keeps it."""
         wall = time.perf_counter() - self._start
         after = self._counters()
         layers = {key: [round(a - b, 6) if isinstance(a, float) else a - b
                         for a, b in zip(after[key], self._before[key])] for key in after}
-        stall = sum(layers["stall_seconds"])
-        record = {"step": self.step, "time": time.time(), "batch": len(self._lengths), "wall_seconds": round(wall, 6),
-                  "stall_seconds": round(stall, 6), "resident_slots": self.cache.resident_slots(), "layers": layers}
-        if self.admission is not None:
-            recalled_bytes = sum(layers["recalled_bytes"]) + sum(layers["prefetched"]) * self.cache.item_bytes
-            self.admission.observe_transfer(recalled_bytes, sum(layers["recall_seconds"]))
-            block = self.cache.block
-            self.admission.observe_step(max(wall - stall, 1e-9), dict(self.cache.group_bytes),
-                                        {g: -(-n // block) for g, n in self._lengths.items()})
-            spare = self.cache.free_columns() + len(self.cache.lent)
-            self.admission.extra = self.cache.set_extra(self.admission.grants(spare))  # what was granted
-            record["admission"] = self.admission.snapshot()
-        self.timeline.append(record)
+        return StepRecord(self.step, time.time(), self._batch, wall, sum(layers["stall_seconds"]),
+                          self.cache.resident_slots(), layers)
+
+    def log(self, record: StepRecord) -> None:
+        """Into the timeline (the stats file) and to W&B."""
+        data = record.to_json()
+        self.timeline.append(data)
         if self.logger is not None:
-            self.logger.log(_flat(record), step=self.step)
+            self.logger.log(_flat(data), step=self.step)
         self.step += 1
-        self._start = None
-        return record
 
     def snapshot(self) -> list:
         return list(self.timeline)

@@ -1,9 +1,10 @@
-"""The device block cache and the offloaded KV view (the "resolve" step of a decode step).
+"""The device block cache: the blocks each decode step attends to, resident in device memory.
 
 Per layer the cache is one set of device buffers, k and v [S, B, D] and cis [S, B] float32, of
 S = G * Hkv * NS items: NS block slots for each of the Hkv KV heads of each of G requests (G =
 the device budget's request count; request row r of SGLang's ReqToTokenPool owns group r - 1).
-``blocks[layer]`` [G, Hkv, NS] says which block each slot holds (-1: none).
+``blocks[layer]`` [G, Hkv, NS] says which block each slot holds (-1: none). The KV view that
+decode and prefill read through is nosa.serve.offload.kv.OffloadKV; it calls ``resolve``.
 
 Resolve, per layer and step, for the whole batch at once:
 1. diff the blocks the step needs (the selection; every block for a dense request) against the
@@ -17,8 +18,8 @@ Resolve, per layer and step, for the whole batch at once:
 A group whose resident blocks went stale (tokens written other than by a decode step, e.g. a
 prefill chunk) drops those blocks before the diff, so they are recalled.
 
-Scheduling (issue 9, ``scheduler``: nosa.serve.recall_scheduler): the misses are a demand copy
-(prefetching pauses at its next chunk boundary meanwhile) and the layer waits only for them;
+Scheduling (``scheduler``: nosa.serve.offload.recall): the misses are a demand copy (prefetching
+pauses at its next chunk boundary meanwhile) and the layer waits only for them;
 ``prefetch(layer + 1, ...)``, issued while layer ``layer`` computes, copies predicted blocks into
 EMPTY slots only (never evicting a resident block), and the layer's resolve first claims it:
 only the items that landed count as resident, the rest are dropped. The diff then runs as if the
@@ -27,9 +28,9 @@ prefetch (outputs and every later hit and miss are the same with scheduling on o
 selected block that a prefetch landed is moved on the device into its slot, a hit
 (``prefetch_hits``) instead of a host recall.
 
-Slot columns (issue 9, admission): slot j of group g is physical column ``col_of[g, j]``; column p
-is the item set ``((p // home) * Hkv + h) * home + p % home`` of every KV head h (``home`` slots per
-group: without admission all NS slots, so column g * NS + j is slot j of group g as before). With
+Slot columns (admission): slot j of group g is physical column ``col_of[g, j]``; column p is the
+item set ``((p // home) * Hkv + h) * home + p % home`` of every KV head h (``home`` slots per
+group: without admission all NS slots, so column g * NS + j is simply slot j of group g). With
 admission, groups own ``home = topk`` columns and may borrow idle groups' columns as extra slots
 (``set_extra``); a group that starts takes its own columns back (``activate``).
 
@@ -45,11 +46,44 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 
 from nosa.kv import DeviceRows
-from nosa.serve.recall_scheduler import PREFETCH
+from nosa.serve.offload.recall import PREFETCH, Transfer
+
+# What a slot offers a miss in the slot diff, best first (the key misses sort the slots by).
+EMPTY_SLOT = 0  # holds no block
+STALE_SLOT = 1  # holds a block this step does not want: evicted for the miss
+KEPT_SLOT = 2  # holds a block this step wants
+NO_COLUMN = 3  # an extra slot (admission) with no borrowed column behind it
+
+
+class NewTokens(NamedTuple):
+    """The decode step's token of each request in one layer, written through into its tail block's
+    slot: k [R, Hkv, D], v [R, Hkv, Dv], cis [R, Hkv]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cis: torch.Tensor
+
+
+class Loan(NamedTuple):
+    """A column lent to another group as one of its extra slots."""
+
+    group: int
+    slot: int
+
+
+class PendingPrefetch(NamedTuple):
+    """A layer's prefetch in flight: the transfer, and for its m-th item the group [M], KV head [M]
+    and slot [M] it lands in (claimed when the layer resolves)."""
+
+    transfer: Transfer
+    groups: torch.Tensor
+    heads: torch.Tensor
+    slots: torch.Tensor
 
 
 class DeviceBlockCache:
@@ -66,7 +100,7 @@ class DeviceBlockCache:
         # slot -> physical column; a group's own columns first, extra slots (j >= home) borrowed
         self.col_of = torch.full((num_groups, slots_per_head), -1, dtype=torch.long, device=device)
         self.col_of[:, : self.home] = torch.arange(num_groups * self.home, device=device).view(num_groups, self.home)
-        self.lent: dict[int, tuple[int, int]] = {}  # column -> (borrower group, its slot)
+        self.lent: dict[int, Loan] = {}  # column -> the borrower's group and slot
         self.active: set[int] = set()
         self.k = [torch.zeros(items, block_size, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(items, block_size, v_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -80,7 +114,7 @@ class DeviceBlockCache:
         self._lock = threading.RLock()
         self.prefetched = [torch.zeros(num_groups, num_kv_heads, slots_per_head, dtype=torch.bool, device=device)
                            for _ in range(num_layers)]
-        self.pending: dict[int, tuple] = {}  # layer -> (transfer, group, head, slot of each item)
+        self.pending: dict[int, PendingPrefetch] = {}  # layer -> its prefetch in flight
         # warm_*: steps whose group decoded at the previous step too (the cache is in steady state)
         # prefetched: items a prefetch landed; prefetch_hits: wanted blocks resident thanks to one
         self.stats = {key: [0] * num_layers for key in
@@ -89,13 +123,17 @@ class DeviceBlockCache:
                        "prefetch_dropped")}
         for key in ("recall_seconds", "stall_seconds"):  # synchronous copies (no scheduler)
             self.stats[key] = [0.0] * num_layers
-        self.group_bytes: dict[int, int] = {}  # bytes recalled per group since last taken (admission)
+        self.group_bytes: dict[int, int] = {}  # bytes recalled per group this decode step (admission)
 
     def group_of(self, row: int) -> int:
         group = row - 1
         if not 0 <= group < self.groups:
             raise RuntimeError(f"nosa offloading: request row {row} has no device slots (groups 0..{self.groups - 1})")
         return group
+
+    def groups_of(self, rows: list[int]) -> torch.Tensor:
+        """[R] long: the device group of each request row (what resolve and prefetch take)."""
+        return torch.tensor([self.group_of(r) for r in rows], device=self.col_of.device)
 
     def release(self, row: int) -> None:
         """Forget a request's resident blocks (finished, aborted, retracted): its slots are free."""
@@ -137,7 +175,7 @@ class DeviceBlockCache:
                     if int(self.col_of[g, j]) < 0 and free:
                         p = free.pop(0)
                         self.col_of[g, j] = p
-                        self.lent[p] = (g, j)
+                        self.lent[p] = Loan(g, j)
             return {g: int((self.col_of[g, self.home:] >= 0).sum()) for g in grants}
 
     def free_columns(self) -> int:
@@ -172,27 +210,25 @@ class DeviceBlockCache:
         return False
 
     # ---- prefetch ------------------------------------------------------------------------------
-    def may_prefetch(self, layer: int, rows: list[int], lengths: list[int]) -> bool:
-        """Whether a prefetch for this decode step could place anything: a group has blocks gone
-        stale or an empty slot (in steady state neither, so the prediction is not even computed)."""
+    def may_prefetch(self, layer: int, groups: torch.Tensor, lengths: list[int]) -> bool:
+        """Whether a prefetch for this decode step (groups [R], their context ``lengths``) could place
+        anything: a group has blocks gone stale or an empty slot (in steady state neither, so the
+        prediction is not even computed)."""
         if self.scheduler is None:
             return False
-        groups = [self.group_of(r) for r in rows]
         with self._lock:
-            if any(self.synced[layer][g] < n - 1 for g, n in zip(groups, lengths)):
+            if any(self.synced[layer][g] < n - 1 for g, n in zip(groups.tolist(), lengths)):
                 return True
-            idx = torch.tensor(groups, device=self.col_of.device)
-            usable = (self.col_of.index_select(0, idx) >= 0)[:, None, :]
-            return bool(((self.blocks[layer].index_select(0, idx) < 0) & usable).any())
+            usable = (self.col_of.index_select(0, groups) >= 0)[:, None, :]
+            return bool(((self.blocks[layer].index_select(0, groups) < 0) & usable).any())
 
-    def prefetch(self, layer: int, rows: list[int], predicted: torch.Tensor, lengths: list[int], pages: torch.Tensor,
-                 host_items) -> int:
+    def prefetch(self, layer: int, groups: torch.Tensor, predicted: torch.Tensor, lengths: list[int],
+                 pages: torch.Tensor, host_items) -> int:
         """Start copying the predicted blocks [R, Hkv, P] (-1 padded; pages: their host pages) of the
-        decode step with context ``lengths`` into empty slots of ``layer``; returns the items issued.
-        Needs a scheduler (no-op without). Never evicts a resident block."""
+        decode step of groups [R] with context ``lengths`` into empty slots of ``layer``; returns the
+        items issued. Needs a scheduler (no-op without). Never evicts a resident block."""
         if self.scheduler is None:
             return 0
-        groups = torch.tensor([self.group_of(r) for r in rows], device=predicted.device)
         with self._lock:
             self._settle(layer)
             for i, g in enumerate(groups.tolist()):
@@ -223,16 +259,16 @@ class DeviceBlockCache:
             s_of = dst_slot.flatten().index_select(0, which)
             job = self.scheduler.submit(layer, PREFETCH, [self.k[layer], self.v[layer], self.cis[layer]],
                                         list(host_items), dst, src)
-            self.pending[layer] = (job, g_of, h_of, s_of)
+            self.pending[layer] = PendingPrefetch(job, g_of, h_of, s_of)
             return int(which.numel())
 
     def _settle(self, layer: int) -> None:
         """Claim the layer's prefetch: landed items are resident (flagged), the others dropped."""
-        entry = self.pending.pop(layer, None)
-        if entry is None:
+        pending = self.pending.pop(layer, None)
+        if pending is None:
             return
-        job, g_of, h_of, s_of = entry
-        landed = self.scheduler.claim(job)
+        g_of, h_of, s_of = pending.groups, pending.heads, pending.slots
+        landed = self.scheduler.claim(pending.transfer)
         blocks = self.blocks[layer]
         if landed < g_of.numel():
             blocks[g_of[landed:], h_of[landed:], s_of[landed:]] = -1
@@ -247,18 +283,17 @@ class DeviceBlockCache:
     def resident_slots(self) -> int:
         return int(sum(int((b >= 0).sum()) for b in self.blocks))
 
-    def resolve(self, layer: int, rows: list[int], wanted: torch.Tensor, lengths: list[int], pages: torch.Tensor,
-                host_items, new_tokens: tuple | None = None) -> DeviceRows:
+    def resolve(self, layer: int, groups: torch.Tensor, wanted: torch.Tensor, lengths: list[int],
+                pages: torch.Tensor, host_items, new_tokens: NewTokens | None = None) -> DeviceRows:
         """Make ``wanted`` [R, Hkv, W] (block ids, -1 padded; W <= NS) resident and return their rows.
 
-        rows: the requests' ReqToTokenPool rows; lengths: their context lengths (tokens);
-        pages [R, Hkv, W]: the host page of each wanted block; host_items: the layer's (k, v, cis)
-        item views of the host pool. new_tokens: (k [R, Hkv, D], v, cis [R, Hkv]) of the step's
-        last token of each request (decode), written into its block's slot.
+        groups [R]: the requests' device groups (``groups_of``); lengths: their context lengths
+        (tokens); pages [R, Hkv, W]: the host page of each wanted block; host_items: the layer's
+        (k, v, cis) item views of the host pool. new_tokens: the step's last token of each request
+        (decode), written into its block's slot.
         """
         from nosa import ops
 
-        groups = torch.tensor([self.group_of(r) for r in rows], device=wanted.device)
         blocks = self.blocks[layer]
         with self._lock:
             self._settle(layer)
@@ -294,8 +329,9 @@ class DeviceBlockCache:
             # misses take the free slots in order: empty ones first, then those whose block left
             # (slots without a column, i.e. extra slots not granted, never)
             usable = (self.col_of.index_select(0, groups) >= 0)[:, None, :]
-            order = torch.where(usable, keep.long() * 2 + (virtual >= 0).long(), 3)  # 0 empty, 1 stale, 2 kept
-            free_slots = order.sort(dim=-1, stable=True).indices  # [R, Hkv, NS]
+            offer = torch.where(keep, KEPT_SLOT, torch.where(virtual >= 0, STALE_SLOT, EMPTY_SLOT))
+            offer = torch.where(usable, offer, NO_COLUMN)
+            free_slots = offer.sort(dim=-1, stable=True).indices  # [R, Hkv, NS]
             rank = (miss.cumsum(dim=-1) - 1).clamp(min=0)
             dst_slot = free_slots.gather(-1, rank)  # [R, Hkv, W] slot of each miss
             new = _place(virtual, dst_slot, wanted, miss, self.ns)
@@ -350,7 +386,7 @@ class DeviceBlockCache:
     def _write_tokens(self, layer, wanted, item, lengths, new_tokens) -> None:
         from nosa import ops
 
-        k_new, v_new, cis_new = new_tokens  # [R, Hkv, D], [R, Hkv, D], [R, Hkv]
+        k_new, v_new, cis_new = new_tokens
         last = torch.tensor(lengths, device=wanted.device) - 1
         here = wanted == (last // self.block)[:, None, None]  # [R, Hkv, W]: the tail block
         slot_item = torch.where(here, item, -1).max(dim=-1).values  # [R, Hkv]

@@ -1,7 +1,10 @@
-"""Tiny Llama checkpoints (random weights, byte-level tokenizer) for the serving tests.
+"""Tiny Llama checkpoints (random weights, byte-level tokenizer) for the serving tests and benchmarks.
 
-Built locally, no downloads: ``make_checkpoint(dir, nosa=...)`` writes config.json, safetensors and
-a tokenizer that SGLang and transformers both load.
+Built locally, no downloads: ``make_checkpoint(dir, nosa_config)`` writes config.json, safetensors
+and a tokenizer (``make_tokenizer``) that SGLang and transformers both load. With them: random
+prompts (``prompt_ids``), the HF model's greedy tokens that a server must reproduce
+(``hf_greedy``) and whether SGLang's CPU engine can run here (``cpu_engine_missing``).
+tests/serve and scripts/bench_serve.py, scripts/soak.py import this module.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import torch
 
 VOCAB = 320  # 256 bytes + specials, padded
+HIDDEN = 128
 
 
 def cpu_engine_missing() -> str | None:
@@ -55,13 +59,12 @@ def make_checkpoint(path: str, nosa_config=None, seed: int = 0, evict_scale: flo
     from nosa.tiny import set_eviction_heads, tiny_llama
 
     # larger weights (init_std) so greedy ties are unlikely
-    model = tiny_llama(layers=2, hidden=128, heads=4, kv_heads=2, vocab=VOCAB, seed=seed, intermediate=256,
+    model = tiny_llama(layers=2, hidden=HIDDEN, heads=4, kv_heads=2, vocab=VOCAB, seed=seed, intermediate=256,
                        max_positions=4096, rope_theta=10000.0, bos_token_id=256, eos_token_id=257,
                        tie_word_embeddings=False, init_std=0.08)
     if nosa_config is not None:
         nosa.convert(model, nosa_config)
         set_eviction_heads(model, scale=evict_scale, std=0.3, seed=seed, bias_std=0.3)
-        model.config._attn_implementation = "sdpa"  # keep config.json loadable without nosa
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     make_tokenizer(path)

@@ -1,49 +1,27 @@
-"""NOSA attention for token-level queries, the reference implementation (pure PyTorch, autograd).
-
-Layout (one sequence, token-major as in SGLang): q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv];
+"""NOSA prefill and training attention: token-level queries, the reference implementation (pure
+PyTorch, autograd). Layout as in nosa.attention.math: q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv];
 the n query rows are the last n tokens of the L-token context (n == L for a plain prefill).
-G = Hq // Hkv query heads share one KV head and one selection.
 
-Two paths, one selection (nosa.select):
-- ``nosa_prefill`` (here): training and prefill; every row gets its own selection from the blocks
-  up to its position (causal inside the current block). Its attention (``attend_selected``) runs
-  the Triton kernel on CUDA; on CPU masked dense SDPA (nosa.attention_masked) for short contexts,
-  else gathers of each row's blocks (``_attend_selected``): the same math, measured crossover.
-- ``nosa.decode.NosaDecodeState``: one query per step with incremental state; memory linear in
-  the context, nothing of size L x L.
-Rows whose context has at most ``dense_len`` tokens attend densely (plain causal softmax, no
-eviction weighting), so short prompts behave exactly like the dense model.
-
-This module holds the prefill entry points; the gathered path lives in nosa.attention_gathered
-(its autograd Function in nosa.attention_pooled) and the shared math (dense_attention,
-attend_gathered, merge_attention, selected_tokens, compute_dtype) in nosa.attention_math.
+Every row gets its own selection (nosa.select) from the blocks up to its position (causal inside
+the current block), then attends over its selected blocks (``attend_selected``): the Triton kernel
+on CUDA (nosa.ops, imported only on that branch); on CPU masked dense SDPA
+(nosa.attention.masked) for short contexts, else gathers of each row's blocks
+(nosa.attention.gathered): the same math, measured crossover. Rows whose context has at most
+``dense_len`` tokens attend densely (plain causal softmax, no eviction weighting), so short prompts
+behave exactly like the dense model. Decode (one query per step, incremental state) is
+nosa.decode.NosaDecodeState.
 """
 
 from __future__ import annotations
 
 import torch
 
-# the gathered path and the shared math live in their own modules (one noun each); their names
-# that other modules, scripts and tests import from here are re-exported
-from nosa.attention_gathered import _attend_selected, default_row_chunk
-from nosa.attention_math import (
-    NEG_INF,
-    attend_gathered,
-    compute_dtype,
-    dense_attention,
-    gather_heads,
-    merge_attention,
-    selected_tokens,
-)
+from nosa.attention import gathered, masked
+from nosa.attention.math import dense_attention
 from nosa.compress import compress_windows
 from nosa.config import NosaConfig
 from nosa.eviction import block_eviction_scores
 from nosa.select import query_block_scores, select_blocks
-
-__all__ = [
-    "NEG_INF", "attend_gathered", "attend_selected", "compute_dtype", "default_row_chunk", "dense_attention",
-    "gather_heads", "merge_attention", "nosa_prefill", "nosa_prefill_varlen", "selected_tokens",
-]
 
 # at most this many float32 logits per selection chunk (query-aware scores of a chunk's rows at
 # once): small enough that a chunk's logits stay in cache (measured about 25% faster at 1K tokens
@@ -66,8 +44,9 @@ def nosa_prefill(
     Returns (out [n, Hq, D], selection [n, Hkv, K] long, -1 padded).
 
     Selection runs for many rows at once (bounded by SELECT_ELEMENTS); attention goes through
-    ``_attend_selected`` in groups of rows aligned to ``row_chunk`` positions (default:
-    ``default_row_chunk``), so the work per row follows the budget, not the context.
+    ``attend_selected``, whose gathered path works in groups of rows aligned to ``row_chunk``
+    positions (default: nosa.attention.gathered.default_row_chunk), so the work per row follows
+    the budget, not the context.
     """
     n, hq, d = q.shape
     length, hkv, _ = k.shape
@@ -78,7 +57,7 @@ def nosa_prefill(
     if cis.shape != (length, hkv):
         raise ValueError(f"nosa_prefill: cis must be [L, Hkv] = [{length}, {hkv}], got {list(cis.shape)}")
     if row_chunk is None:
-        row_chunk = default_row_chunk(cfg)
+        row_chunk = gathered.default_row_chunk(cfg)
     first = length - n
     num_blocks = cfg.num_blocks(length)
     dense_rows = min(n, max(0, cfg.dense_len - first))  # rows whose context fits in dense_len
@@ -107,20 +86,24 @@ def nosa_prefill(
 
 
 def attend_selected(q, k, v, cis, sel, positions, cfg: NosaConfig, scale: float, row_chunk: int | None = None):
-    """Selected-block attention of query rows (shapes as in ``_attend_selected``): the Triton
-    block-sparse kernel, forward and backward, on CUDA (or NOSA_KERNELS=triton, nosa.ops); on CPU
-    masked dense attention (``nosa.attention_masked``) while the rows' contexts are within a few
-    budgets (training, short prefills), else the gathered torch reference ``_attend_selected``.
-    Both CPU paths compute the same attention and gradients. ``nosa_prefill`` and
-    ``NosaDecodeState.prefill`` use it."""
-    from nosa import attention_masked, ops
+    """Selected-block attention of query rows: each row over its own selected blocks, at or before
+    its position, token j weighted by exp(cis_j). q [n, Hq, D]; k/v [L, Hkv, D]; cis [L, Hkv];
+    sel [n, Hkv, K] (-1 = none); positions [n] ascending, < L -> out [n, Hq, Dv] in q's dtype,
+    differentiable in q, k, v and cis.
+
+    The Triton block-sparse kernel, forward and backward, on CUDA (or NOSA_KERNELS=triton,
+    nosa.ops); on CPU masked dense attention (nosa.attention.masked) while the rows' contexts are
+    within a few budgets (training, short prefills), else the gathered torch path
+    (nosa.attention.gathered). Both CPU paths compute the same attention and gradients.
+    ``nosa_prefill`` and ``NosaDecodeState.prefill`` use it."""
+    from nosa import ops  # the kernels' branch only: importing this module needs no kernel code
 
     if ops.use_kernels(q, k):
         return ops.sparse_prefill_attention(q, k, v, cis, sel, positions, cfg.block_size, scale)[0]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cis))
-    if attention_masked.use_masked(positions, k.shape[1], cfg, training):
-        return attention_masked.attend_masked(q, k, v, cis, sel, positions, cfg, scale)
-    return _attend_selected(q, k, v, cis, sel, positions, cfg, scale, row_chunk=row_chunk)
+    if masked.use_masked(positions, k.shape[1], cfg, training):
+        return masked.attend_masked(q, k, v, cis, sel, positions, cfg, scale)
+    return gathered.attend_grouped(q, k, v, cis, sel, positions, cfg, scale, row_chunk=row_chunk)
 
 
 def nosa_prefill_varlen(

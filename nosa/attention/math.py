@@ -1,10 +1,14 @@
 """The small attention math that prefill, decode, the serving engine and the kernels' references share.
 
+Layout (one sequence, token-major as in SGLang): q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv];
+the n query rows are the last n tokens of the L-token context (n == L for a plain prefill);
+G = Hq // Hkv query heads share one KV head and one selection, sel [n, Hkv, K] (-1 = none).
+
 The softmax dtype (``compute_dtype``), causal dense attention (``dense_attention``), attention of
 each query row over its own gathered keys with its log-sum-exp (``attend_gathered``) and the exact
 merge of such results over disjoint key sets (``merge_attention``), plus the token indices of
-selected blocks (``selected_tokens``, ``gather_heads``). Layout as in nosa.attention: q [n, Hq, D];
-k, v [L, Hkv, D]; sel [n, Hkv, K].
+selected blocks (``selected_tokens``, ``gather_heads``). It imports nothing of nosa, so any module
+(the kernels' torch references included) can import it without an import loop.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-NEG_INF = float("-inf")
+NEG_INF = float("-inf")  # the logit of a key to skip, and the lse of a row with no key
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -49,7 +53,7 @@ def attend_gathered(
     (``merge_attention``); a row with no key gets out 0 and lse -inf.
     One row at a time, so its gathered K/V stay in cache between gather and matmul: gathering every
     row first measured about 3x slower on CPU. Inference prefill rows with many keys of their own
-    (``_attend_rows``) and decode (``nosa.decode``) use it.
+    (nosa.attention.gathered) and decode (``nosa.decode``) use it.
     """
     n, hq, d = q.shape
     hkv = rows.shape[1]

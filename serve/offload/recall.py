@@ -1,7 +1,7 @@
-"""Interruptible, layer-wise recall scheduling for the offloading engine (issue 9).
+"""Interruptible, layer-wise recall scheduling for the offloading engine ($NOSA_RECALL_SCHEDULER=1).
 
-The device block cache (nosa.serve.block_cache) hands its copies (host pool items -> device slots,
-``nosa.ops.copy_items`` index lists) to one ``RecallScheduler`` instead of copying inline:
+The device block cache (nosa.serve.offload.block_cache) hands its copies (host pool items -> device
+slots, ``nosa.ops.copy_items`` index lists) to one ``RecallScheduler``:
 
 - a transfer is split into chunks of ``chunk_items`` items; a worker thread (CPU: torch copies
   release the GIL) copies one chunk at a time, always taking the oldest DEMAND transfer first (a
@@ -78,7 +78,7 @@ class RecallScheduler:
         self._cv = threading.Condition()
         self._closed = False
         self._current: Transfer | None = None
-        self._last_kind = None
+        self._last: Transfer | None = None  # the transfer of the last chunk taken (preemption counting)
         self._stream = None
         self._demanding = 0  # inline demand copies running (the worker pauses prefetches meanwhile)
         self._preempted: Transfer | None = None
@@ -240,8 +240,6 @@ class RecallScheduler:
                         self._failed.setdefault(job.layer, job)
                     job.done.set()
                 self._cv.notify_all()
-
-    _last: Transfer | None = None
 
     def _copy_chunk(self, job: Transfer, lo: int, hi: int) -> float:
         delay = self._delay(job.kind, job.layer) if callable(self._delay) else self._delay

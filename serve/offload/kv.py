@@ -1,14 +1,14 @@
-"""OffloadKV: the KV view (nosa.kv) of a batch whose KV lives in the host pool.
+"""OffloadKV: the KV view (nosa.kv) of one layer of a batch whose KV lives in the host pool.
 
 - ``keys`` / ``cis``: token rows read from the host pool (a state's newest compressed window,
   or its catch-up after a prefill chunk);
 - ``gather_blocks``: a prefill chunk's union of blocks, copied from the host pool into a working
   buffer as whole (block, KV head) items (the context is never resident as a whole);
 - ``resolve``: the decode step's blocks through the device block cache (diff, one batched recall,
-  write-through of the new token; nosa.serve.block_cache); then ``after_resolve`` (the backend
-  issues the next layer's prefetch there, so it moves while this layer attends);
-- ``prefetch``: the predicted blocks (``predicted_blocks``) of this view's layer into empty slots.
-Every read goes through nosa.ops.copy_items, which on CUDA reads the pinned host pool directly.
+  write-through of the new token; nosa.serve.offload.block_cache).
+``predicted_blocks`` is the guess of a decode step's selection that the next layer's prefetch
+copies ahead (nosa.serve.offload.engine). Every read goes through nosa.ops.copy_items, which on
+CUDA reads the pinned host pool directly.
 """
 
 from __future__ import annotations
@@ -16,23 +16,27 @@ from __future__ import annotations
 import torch
 
 from nosa import ops
+from nosa.serve.offload.block_cache import NewTokens
 
 
 class OffloadKV:
-    def __init__(self, pool, cache, layer_id: int, req_to_token: torch.Tensor, rows: list[int],
-                 lengths: list[int], device, new_tokens: tuple | None = None):
-        self.pool, self.cache, self.layer_id = pool, cache, layer_id
-        self.req_to_token, self.rows, self.lengths = req_to_token, rows, lengths
-        self.device, self.new_tokens = device, new_tokens
-        self.after_resolve = None  # callable run once this layer's blocks are resident
+    """Layer ``layer_id`` of the requests of ``step`` (nosa.serve.step.ForwardStep): their tokens in
+    the host pool ``pool`` (nosa.serve.offload.host_pool.HostKVPool) at the slots ``req_to_token``
+    lists, the blocks a decode step attends to in the device block ``cache``. ``new_tokens``: the
+    decode step's token of each request in this layer, written through into the cache on resolve."""
+
+    def __init__(self, pool, cache, req_to_token: torch.Tensor, layer_id: int, step, device,
+                 new_tokens: NewTokens | None = None):
+        self.pool, self.cache, self.req_to_token, self.layer_id = pool, cache, req_to_token, layer_id
+        self.step, self.device, self.new_tokens = step, device, new_tokens
         self.block = pool.page_size
         self.host = pool.items(layer_id)  # (k [P*Hkv, B, D], v, cis [P*Hkv, B])
 
     def length(self, i: int) -> int:
-        return self.lengths[i]
+        return self.step.lengths[i]
 
     def _token_read(self, which: int, i: int, lo: int, hi: int) -> torch.Tensor:
-        rows = self.pool.token_rows(self.req_to_token[self.rows[i], lo:hi]).to(self.device)  # [n, Hkv]
+        rows = self.pool.token_rows(self.req_to_token[self.step.rows[i], lo:hi]).to(self.device)  # [n, Hkv]
         src = self.host[which]
         width = src.shape[-1] if which < 2 else 1
         out = torch.empty(rows.numel(), width, dtype=src.dtype, device=self.device)
@@ -45,14 +49,10 @@ class OffloadKV:
     def cis(self, i: int, lo: int, hi: int) -> torch.Tensor:
         return self._token_read(2, i, lo, hi)
 
-    def _pages(self, row, blocks: torch.Tensor) -> torch.Tensor:
-        """Host page of each block of a request (-1 blocks -> -1)."""
-        first = self.req_to_token[row].index_select(0, blocks.clamp(min=0) * self.block).long()
-        return torch.where(blocks >= 0, first // self.block, -1)
-
     def gather_blocks(self, i: int, blocks: torch.Tensor, block_size: int):
         hkv = self.pool.head_num
-        pages = self._pages(self.rows[i], blocks.to(self.req_to_token.device)).to(self.device)  # [U]
+        table_row = self.step.table_rows[i : i + 1]
+        pages = host_pages(self.req_to_token, table_row, blocks[None, None], self.block)[0, 0].to(self.device)  # [U]
         src = (pages[:, None] * hkv + torch.arange(hkv, device=self.device)).flatten()
         work = [torch.empty(src.numel(), *t.shape[1:], dtype=t.dtype, device=self.device) for t in self.host]
         ops.copy_items(work, list(self.host), torch.arange(src.numel(), device=self.device), src)
@@ -61,25 +61,19 @@ class OffloadKV:
         return tuple(w.view(u, hkv, block_size, *w.shape[2:]).transpose(1, 2).reshape(u * block_size, hkv, *w.shape[2:])
                      for w in work)
 
-    def _block_pages(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Host page of each block [R, Hkv, W] of the batch's requests (-1 blocks -> -1)."""
-        table_rows = torch.tensor(self.rows, device=self.req_to_token.device)
-        first_token = blocks.clamp(min=0).to(table_rows.device) * self.block
-        where = table_rows[:, None, None] * self.req_to_token.shape[1] + first_token
-        first = self.req_to_token.reshape(-1).index_select(0, where.flatten()).view(blocks.shape).long()
-        return torch.where(blocks >= 0, first.to(blocks.device) // self.block, -1)
-
     def resolve(self, blocks: torch.Tensor, lengths: torch.Tensor, block_size: int):
-        found = self.cache.resolve(self.layer_id, self.rows, blocks, self.lengths, self._block_pages(blocks),
-                                   self.host, self.new_tokens)
-        if self.after_resolve is not None:
-            self.after_resolve()
-        return found
+        pages = host_pages(self.req_to_token, self.step.table_rows, blocks, self.block)
+        return self.cache.resolve(self.layer_id, self.step.groups, blocks, self.step.lengths, pages, self.host,
+                                  self.new_tokens)
 
-    def prefetch(self, predicted: torch.Tensor) -> int:
-        """Start recalling predicted blocks [R, Hkv, P] of this layer (nosa.serve.block_cache.prefetch)."""
-        return self.cache.prefetch(self.layer_id, self.rows, predicted, self.lengths, self._block_pages(predicted),
-                                   self.host)
+
+def host_pages(req_to_token: torch.Tensor, table_rows: torch.Tensor, blocks: torch.Tensor, block: int) -> torch.Tensor:
+    """Host page of each block [R, Hkv, W] of the requests at ``req_to_token`` rows ``table_rows`` [R]
+    (the page of the block's first token; -1 blocks -> -1)."""
+    first_token = blocks.clamp(min=0).to(req_to_token.device) * block
+    where = table_rows.to(req_to_token.device)[:, None, None] * req_to_token.shape[1] + first_token
+    first = req_to_token.reshape(-1).index_select(0, where.flatten()).view(blocks.shape).long()
+    return torch.where(blocks >= 0, first.to(blocks.device) // block, -1)
 
 
 def predicted_blocks(states, lengths: list[int], cfg) -> torch.Tensor:
@@ -87,7 +81,7 @@ def predicted_blocks(states, lengths: list[int], cfg) -> torch.Tensor:
     (states: its NosaDecodeState in the layer, or None): the static part of the new token's
     selection (nosa.select.static_selection: by the locality theorem it stays selected) first, then
     the previous step's selection; every block for requests within dense_len. -1 padded."""
-    from nosa.attention import NEG_INF
+    from nosa.attention.math import NEG_INF
     from nosa.select import static_selection
 
     known = [s for s in states if s is not None]

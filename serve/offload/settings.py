@@ -3,8 +3,8 @@
 SGLang's command line belongs to SGLang, and the plugin runs in the launcher and in every
 subprocess, so the settings are environment variables (like ``NOSA_CONFIG``):
 
-- ``NOSA_OFFLOAD``: ``1`` keeps the KV in host memory (off, the default, keeps the KV in SGLang's
-  device pool exactly as before);
+- ``NOSA_OFFLOAD``: ``1`` keeps the KV in host memory (off, the default: the KV stays in SGLang's
+  device pool and none of the offloading engine is built);
 - ``NOSA_HOST_KV_TOKENS``: host KV capacity in tokens. It becomes SGLang's KV pool size, so the
   scheduler's admission, chunked prefill, input-length limit and leak checks count host tokens;
 - ``NOSA_DEVICE_KV_TOKENS``: the one device KV budget, in tokens (K and V of every layer, like
@@ -13,11 +13,13 @@ subprocess, so the settings are environment variables (like ``NOSA_CONFIG``):
   the budget therefore caps the number of requests running at once (``max_requests``);
 - ``NOSA_DEVICE_EXTRA_SLOTS`` (default 0): block slots per (request, KV head) beyond
   ``topk_blocks``; a spare slot keeps a dropped block resident, so it is a hit if it comes back.
-  With ``NOSA_ADMISSION=1`` it is the most a request may borrow (nosa.serve.admission);
+  With ``NOSA_ADMISSION=1`` it is the most a request may borrow (nosa.serve.offload.admission);
 - ``NOSA_RECALL_SCHEDULER`` (default 0): ``1`` moves recall to the interruptible layer-wise
-  scheduler (nosa.serve.recall_scheduler): demand fetches on a worker, the next layer's predicted
-  blocks prefetched while a layer computes; ``NOSA_RECALL_CHUNK_ITEMS`` (default 64) items per chunk;
-- ``NOSA_ADMISSION`` (default 0): ``1`` turns on I/O-adaptive admission (nosa.serve.admission):
+  scheduler (nosa.serve.offload.recall): a layer still copies its own misses inline, but the next
+  layer's predicted blocks are prefetched on a worker while a layer computes, and that prefetch
+  pauses whenever a layer copies its misses; ``NOSA_RECALL_CHUNK_ITEMS`` (default 64) items per
+  chunk;
+- ``NOSA_ADMISSION`` (default 0): ``1`` turns on I/O-adaptive admission (nosa.serve.offload.admission):
   each request owns ``topk_blocks`` slots (so the budget holds more requests), extra slots are
   lent from idle requests' slots, and new requests wait while their recall could not be hidden.
 """

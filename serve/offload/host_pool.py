@@ -3,7 +3,7 @@
 With offloading on, SGLang's allocator ids are host slots. Its KV pool and allocator are sized to
 the host capacity ($NOSA_HOST_KV_TOKENS), so SGLang's scheduler, chunked prefill, input-length
 limit, leak checks and release paths work unchanged against host memory; the backend's device
-block cache (nosa.serve.block_cache) holds the few blocks each step attends to.
+block cache (nosa.serve.offload.block_cache) holds the few blocks each step attends to.
 
 Layout per layer (SGLang's own "HND" layout, one page = one NOSA block): K and V
 [P, Hkv, B, D] and the eviction scores cis [P, Hkv, B] float32, so one (block, KV head) is one
@@ -25,7 +25,7 @@ import logging
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from nosa.serve.offload_config import OffloadSettings, check_host_memory
+from nosa.serve.offload.settings import OffloadSettings, check_host_memory
 
 logger = logging.getLogger(__name__)
 

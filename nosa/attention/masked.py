@@ -1,8 +1,8 @@
 """Selected-block attention as masked dense attention: the short-context path of
-``nosa.attention.attend_selected`` (training at 512-1024 tokens, short prefills).
+``nosa.attention.prefill.attend_selected`` (training at 512-1024 tokens, short prefills).
 
-Same math as the gathered path (``nosa.attention_gathered._attend_selected``): row i attends to the tokens
-of its selected blocks at or before its position, token j's logit raised by cis_j. Here every row
+Same math as the gathered path (``nosa.attention.gathered.attend_grouped``): row i attends to the
+tokens of its selected blocks at or before its position, token j's logit raised by cis_j. Here every row
 scores all keys up to its chunk's last position and a boolean mask (the selection expanded to
 tokens, and causality) removes the others, inside torch's fused SDPA kernel, forward and backward.
 Below a few budgets of keys per row that is faster on CPU than gathering each row's blocks: a fused
@@ -14,7 +14,7 @@ gradient of k'[..., -1] is scale * sum_i dlogit_ij / scale = dcis_j (an SDPA flo
 no gradient). v gets the same extra (zero) dimension because the fused CPU kernel needs equal head
 dims; the output drops it.
 
-Layout as in nosa.attention: q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv]; sel [n, Hkv, K].
+Layout as in nosa.attention.math: q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv]; sel [n, Hkv, K].
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nosa.attention.math import NEG_INF, compute_dtype
 from nosa.config import NosaConfig
 from nosa.select import selection_mask
-
-NEG_INF = float("-inf")
 
 # Masked attention is used while a row's keys up to its position (on average) are at most this
 # many times its budget in tokens (topk_blocks * block_size). Measured on CPU, one thread, one layer
@@ -81,7 +80,7 @@ def attend_masked(
     if dv != d:
         raise ValueError(f"attend_masked: v's head dim {dv} must equal q's {d}")
     group = hq // hkv
-    dt = torch.promote_types(q.dtype, torch.float32)
+    dt = compute_dtype(q)
     if n == 0:
         return q.new_zeros(0, hq, d)
     bsz, last = cfg.block_size, int(positions[-1]) + 1

@@ -1,5 +1,5 @@
 """I/O-adaptive admission for the offloading engine ($NOSA_ADMISSION=1 with $NOSA_OFFLOAD=1;
-nosa.serve.offload_config).
+nosa.serve.offload.settings).
 
 The policy (every decision is counted in ``decisions`` and logged at debug level):
 
@@ -26,7 +26,11 @@ The policy (every decision is counted in ``decisions`` and logged at debug level
    nothing running, one request is always admitted. SGLang's scheduler applies this through the
    ``Scheduler.get_num_allocatable_reqs`` hook (``register_hooks``): returning 0 keeps the waiting
    queue waiting until a running request leaves (SGLang re-opens admission then), the only point
-   at which the plugin can hold requests back without forking the scheduler.
+   at which the plugin can hold requests back without forking the scheduler. The hook finds the
+   controller through the scheduler it wraps (``controller_of``: its model runner's nosa backend).
+
+The offloading engine (nosa.serve.offload.engine) feeds the measurements at the end of every
+decode step and applies the extra-slot grants to the block cache.
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ logger = logging.getLogger(__name__)
 
 PROBE_ITEMS = 256
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
-CONTROLLER: "Admission | None" = None  # the scheduler process's controller (set by the backend)
 
 
 @dataclass(frozen=True)
@@ -183,16 +186,23 @@ def probe_bandwidth(dst, src, items: int = PROBE_ITEMS) -> tuple[float, int, flo
     return nbytes / max(seconds, 1e-9), nbytes, seconds
 
 
+def controller_of(scheduler) -> Admission | None:
+    """The admission controller of the nosa backend that ``scheduler`` (SGLang's Scheduler) runs its
+    model with; None when that backend does not offload with admission."""
+    engine = getattr(scheduler.tp_worker.model_runner.attn_backend, "offload", None)
+    return None if engine is None else engine.admission
+
+
 def register_hooks() -> None:
     """Hold new requests back through SGLang's scheduler while the controller says wait."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def allocatable(original, self, running_bs, *args, **kwargs):
         n = original(self, running_bs, *args, **kwargs)
-        ctl = CONTROLLER
-        if ctl is None or n <= 0:
+        control = controller_of(self)
+        if control is None or n <= 0:
             return n
-        return min(n, ctl.allowed_new(running_bs))
+        return min(n, control.allowed_new(running_bs))
 
     HookRegistry.register(f"{_SCHEDULER}.get_num_allocatable_reqs", allocatable, HookType.AROUND)
 

@@ -1,0 +1,152 @@
+"""OffloadEngine: the offloading parts of one nosa backend, and what they do at each step.
+
+Built by the backend at start-up when $NOSA_OFFLOAD=1 (``start``): it checks the settings and
+that the host pool's hooks took effect, then builds the device block cache, the recall scheduler
+($NOSA_RECALL_SCHEDULER=1), the admission controller ($NOSA_ADMISSION=1, seeded by a probe of the
+link) and the step counters. The backend then calls, per forward pass:
+
+- ``begin(step)`` (every forward): starting requests take back their slot columns; a decode step
+  starts its counters;
+- ``view(layer, step, new_tokens)``: the layer's KV view (OffloadKV), once per layer;
+- ``prefetch(layer, step, states)``: while layer - 1 attends, layer's predicted blocks start
+  moving (with the recall scheduler; nothing otherwise);
+- ``end_step()`` after a decode step's last layer: the step's record, admission fed with its
+  measurements and its extra-slot grants applied, the record logged;
+and the request registry (nosa.serve.states) calls ``release(row)`` when a request leaves and
+``counters()`` for the stats file.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nosa.serve.offload.block_cache import DeviceBlockCache, NewTokens
+from nosa.serve.offload.kv import OffloadKV, host_pages, predicted_blocks
+from nosa.serve.offload.settings import OffloadSettings
+from nosa.serve.offload.stats import StepRecord, StepStats
+
+logger = logging.getLogger(__name__)
+
+
+class OffloadEngine:
+    def __init__(self, model_runner, cfg, cache: DeviceBlockCache, scheduler=None, admission=None):
+        self.cfg, self.cache, self.scheduler, self.admission = cfg, cache, scheduler, admission
+        self.pool = model_runner.token_to_kv_pool  # the host pool (nosa.serve.offload.host_pool.HostKVPool)
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.device = model_runner.device
+        self.num_layers = len(cache.blocks)
+        self.stats = StepStats(cache, scheduler)
+        self._blocks: dict[int, int] = {}  # group -> context blocks of the running decode step (admission)
+        self.peak_slots = 0  # the most resident block items (layers x KV heads x slots) after a decode step
+
+    @classmethod
+    def start(cls, model_runner, cfg, num_layers: int, num_kv_heads: int, head_dim: int) -> "OffloadEngine":
+        """Validate the settings, check that the host pool hooks took effect, build the parts."""
+        from nosa.serve.offload import host_pool
+
+        settings = OffloadSettings.from_env()
+        settings.validate(cfg, model_runner.server_args.page_size)
+        for role in ("prefill_attention_backend", "decode_attention_backend"):
+            chosen = getattr(model_runner.server_args, role, None)
+            if chosen not in (None, "nosa"):
+                flag = "--" + role.replace("_", "-")
+                raise ValueError(f"nosa backend: offloading needs nosa for prefill and decode ({flag} {chosen}): "
+                                 "other backends cannot read the host pool")
+        host_pool.verify(model_runner, settings, cfg)
+        pool = model_runner.token_to_kv_pool
+        scheduler = None
+        if settings.schedule:
+            from nosa.serve.offload.recall import RecallScheduler
+
+            scheduler = RecallScheduler(num_layers, settings.chunk_items)
+        cache = DeviceBlockCache(
+            num_layers, settings.max_requests(cfg), num_kv_heads, settings.slots_per_head(cfg), cfg.block_size,
+            head_dim, pool.v_head_dim, pool.dtype, model_runner.device, scheduler=scheduler,
+            home_slots=settings.home_slots(cfg),
+        )
+        admission = _start_admission(settings, cfg, cache, pool, num_layers, num_kv_heads) if settings.admission \
+            else None
+        return cls(model_runner, cfg, cache, scheduler, admission)
+
+    # ---- per forward pass ----------------------------------------------------------------------
+    def groups_of(self, rows: list[int]):
+        """[R] the device group of each request row (nosa.serve.step.ForwardStep.groups)."""
+        return self.cache.groups_of(rows)
+
+    def begin(self, step) -> None:
+        """A forward pass starts: a starting request takes back its slot columns lent to others; a
+        decode step starts its counters."""
+        for row in step.rows:
+            self.cache.activate(row)
+        if step.decode:
+            self.stats.begin(len(step.rows))
+            self.cache.group_bytes.clear()
+            self._blocks = {g: -(-n // self.cache.block) for g, n in zip(step.groups.tolist(), step.lengths)}
+
+    def view(self, layer: int, step, new_tokens: NewTokens | None = None) -> OffloadKV:
+        """The KV view of ``layer`` for the requests of ``step`` (decode: with their new tokens)."""
+        return OffloadKV(self.pool, self.cache, self.req_to_token, layer, step, self.device, new_tokens)
+
+    def prefetch(self, layer: int, step, states) -> None:
+        """Start moving ``layer``'s predicted blocks for this decode step (the layer before it is
+        about to attend). ``states``: the request registry (nosa.serve.states.RequestStates)."""
+        if layer >= self.num_layers or not self.cache.may_prefetch(layer, step.groups, step.lengths):
+            return
+        layer_states = [states.get(row, layer) for row in step.rows]
+        if all(s is None for s in layer_states):
+            return
+        predicted = predicted_blocks(layer_states, step.lengths, self.cfg)
+        pages = host_pages(self.req_to_token, step.table_rows, predicted, self.cache.block)
+        self.cache.prefetch(layer, step.groups, predicted, step.lengths, pages, self.pool.items(layer))
+
+    def end_step(self) -> StepRecord:
+        """After a decode step's last layer: its record; admission (if on) learns from it and lends
+        the spare slot columns for the next step."""
+        record = self.stats.end()
+        self.peak_slots = max(self.peak_slots, record.resident_slots)
+        if self.admission is not None:
+            self._feed_admission(record)
+        self.stats.log(record)
+        return record
+
+    def _feed_admission(self, record: StepRecord) -> None:
+        control, cache, layers = self.admission, self.cache, record.layers
+        recalled_bytes = sum(layers["recalled_bytes"]) + sum(layers["prefetched"]) * cache.item_bytes
+        control.observe_transfer(recalled_bytes, sum(layers["recall_seconds"]))
+        control.observe_step(max(record.wall_seconds - record.stall_seconds, 1e-9), dict(cache.group_bytes),
+                             self._blocks)
+        spare = cache.free_columns() + len(cache.lent)
+        control.extra = cache.set_extra(control.grants(spare))  # what was granted
+        record.admission = control.snapshot()
+
+    # ---- called by the request registry --------------------------------------------------------
+    def release(self, row: int) -> None:
+        """The request of ``row`` left: its device slots are free and admission forgets it."""
+        self.cache.release(row)
+        if self.admission is not None:
+            self.admission.forget(row - 1)  # request row r owns group r - 1 (nosa.serve.offload.block_cache)
+
+    def counters(self) -> dict:
+        """The engine's counters for the stats file: slots in use, the cache's, the scheduler's and
+        admission's counters, and the step timeline."""
+        out = {"device_slots_in_use": self.cache.resident_slots(), "peak_device_slots": self.peak_slots,
+               "offload": {k: list(v) for k, v in self.cache.stats.items()}, "timeline": self.stats.snapshot()}
+        if self.scheduler is not None:
+            out["scheduler"] = {k: list(v) for k, v in self.scheduler.stats.items()}
+        if self.admission is not None:
+            out["admission"] = self.admission.snapshot()
+        return out
+
+
+def _start_admission(settings, cfg, cache, pool, num_layers: int, num_kv_heads: int):
+    """The admission controller, seeded by a start-up probe of the link (nosa.serve.offload.admission)."""
+    from nosa.serve.offload import admission
+
+    admission.verify_hooks()
+    control = admission.Admission(
+        admission.AdmissionPolicy(max_extra=settings.extra_slots), cache.item_bytes, cfg.topk_blocks,
+        bound_items=(cfg.query_blocks + 1) * num_kv_heads * num_layers)
+    bandwidth, nbytes, seconds = admission.probe_bandwidth([cache.k[0], cache.v[0], cache.cis[0]], pool.items(0))
+    control.bw = bandwidth
+    logger.info("nosa admission: link probe %d bytes in %.6f s = %.2f GB/s", nbytes, seconds, bandwidth / 1e9)
+    return control
