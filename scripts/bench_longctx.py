@@ -88,15 +88,13 @@ class Variant:
     def prepare(self, length: int):
         """Set the model's attention for this variant at ``length``; returns its NosaConfig (None: dense)."""
         import nosa
-        from nosa.hf import reset_decode_state
 
         if self.share is None:
             self.model.set_attn_implementation("sdpa")
             return None
         cfg = budget_config(length, self.share)
         nosa.convert(self.model, cfg)  # keeps the model's eviction heads, sets the budget
-        reset_decode_state(self.model)
-        return cfg
+        return cfg  # (every run starts with a prefill of several rows, which drops old decode states)
 
 
 def file_digest(folder: str) -> str:
@@ -197,7 +195,7 @@ def decode_selection_stats(model, rows: dict, final: dict, cfg) -> dict:
     the largest entry count, and the dense mass inside the selection (sum over layers)."""
     import torch
 
-    from nosa.attention import nosa_prefill
+    from nosa import nosa_prefill
     from nosa.eviction import MODULE_NAME
     from nosa.select import blocks_entering
     from nosa.train.metrics import selection_mass

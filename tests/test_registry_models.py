@@ -17,8 +17,8 @@ def fake(monkeypatch):
 
 
 def test_missing_packages_name_what_to_install(fake, monkeypatch, tmp_path):
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "accelerate" else real_find_spec(name))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "accelerate" else find_spec(name))
     with pytest.raises(models.MissingPackages) as err:
         models.fetch("fake", str(tmp_path / "out"))
     message = str(err.value)
