@@ -3,7 +3,8 @@
 SGLang calls ``register`` in the launcher before argparse, in ``sglang.Engine`` and in every
 scheduler / detokenizer subprocess. It adds the "nosa" choice and a factory (torch, nosa's
 selection code and the backend are imported when SGLang builds the backend), the request
-validation hooks of nosa.serve.validate, which apply whatever the attention backend, and the NOSA
+validation hooks of nosa.serve.validate, which apply whatever the attention backend, SGLang's
+tensor-parallel start-up on CPU (nosa.serve.parallel), and the NOSA
 checkpoint format (nosa.checkpoint_format): its model types for transformers' AutoConfig, through
 which SGLang reads config.json, and its architectures for SGLang's model registry.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from nosa.after_import import when_imported
 from nosa.checkpoint_format import MODEL_TYPES
-from nosa.serve import cuda_graphs, validate
+from nosa.serve import cuda_graphs, parallel, validate
 
 BACKEND_NAME = "nosa"
 _MODEL_REGISTRY = "sglang.srt.models.registry"
@@ -29,6 +30,7 @@ def register() -> None:
     register_attention_backend(BACKEND_NAME)(create_nosa_backend)
     validate.install()
     cuda_graphs.install()  # CUDA: graphs off where nosa serves (no capture path yet), logged
+    parallel.install()  # CPU only: --tp-size N starts without PyNccl (SGLang asks for it regardless)
     _install_offload_hooks()
     _register_checkpoint_format()
 
