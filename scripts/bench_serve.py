@@ -1,19 +1,26 @@
 """Decode throughput of SGLang's "nosa" backend vs "torch_native" on the same tiny model.
 
     .venv/bin/python scripts/bench_serve.py [--quick] [--contexts 4096 8192 32768 65536] [--out results/serve.json]
+    .venv/bin/python scripts/bench_serve.py --backends nosa --tp-sizes 1 2 --evict-scale 1 --contexts 32768
 
 Builds a tiny random Llama (2 layers, hidden 256, GQA 8/2; a dense checkpoint, so the backend uses
 the released NosaConfig defaults: 64 blocks of 64 tokens, dense_len 4096), then for each backend
-starts one server (stopped before the next starts: an idle server keeps a core busy) and, for each
-context length, sends ``--batch`` concurrent greedy requests with streaming (see ``measure``: the
-decode step time is the median interval between streamed tokens while the whole batch decodes, so
-prefill and request handling are excluded). Contexts above the model's dense_len (4096) are where
-NOSA's selection applies. Not a test: nothing is asserted.
+(and tensor-parallel size, ``--tp-sizes``) starts one server (stopped before the next starts: an
+idle server keeps a core busy) and, for each context length, sends ``--batch`` concurrent greedy
+requests with streaming (see ``measure``: the decode step time is the median interval between
+streamed tokens while the whole batch decodes, so prefill and request handling are excluded).
+Contexts above the model's dense_len (4096) are where NOSA's selection applies.
+``--evict-scale A`` (A > 0) converts the model to a NOSA checkpoint with random eviction heads of
+scale A, so that under tensor parallelism the ranks exchange the eviction heads' partial sums
+(a dense checkpoint's A = 0 heads need no other rank). On CPU a TP server gets
+SGLANG_CPU_OMP_THREADS_BIND, one share of the cores per rank (nosa.serve.tools.process.cpu_binding),
+and each rank runs ``--threads`` torch threads.
 
 ``--py-spy DIR`` also samples the server's scheduler process (the one running the forward passes)
 with py-spy (``pip install py-spy``) while each context is measured: the raw stacks go to
-``DIR/<backend>_<context>.txt``, and each result row gets ``extend_profile``, the functions under
-the attention backend's ``forward_extend`` (prefill) with their share of its samples.
+``DIR/<backend>_tp<N>_<context>.txt`` (rank 0's scheduler under TP), and each result row gets
+``extend_profile``, the functions under the attention backend's ``forward_extend`` (prefill) with
+their share of its samples.
 """
 
 from __future__ import annotations
@@ -33,12 +40,18 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def build_model(path: str) -> None:
+def build_model(path: str, evict_scale: float = 0.0) -> None:
+    """The tiny Llama; with ``evict_scale`` > 0 a NOSA checkpoint (default NosaConfig, random
+    eviction heads of scale ``evict_scale``)."""
+    import nosa
     from nosa.serve.tools.tiny_checkpoint import make_tokenizer
-    from nosa.tiny import tiny_llama
+    from nosa.tiny import set_eviction_heads, tiny_llama
 
     model = tiny_llama(layers=2, hidden=256, heads=8, kv_heads=2, vocab=320, seed=0, intermediate=512,
                        max_positions=131072, bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
+    if evict_scale > 0:
+        nosa.convert(model, nosa.NosaConfig())
+        set_eviction_heads(model, scale=evict_scale, std=0.3, seed=0, bias_std=0.3)
     model.save_pretrained(path)
     make_tokenizer(path)
 
@@ -155,6 +168,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="OMP_NUM_THREADS of the servers (torch intra-op threads; default: all cores)")
     ap.add_argument("--backends", nargs="+", default=["torch_native", "nosa"])
+    ap.add_argument("--tp-sizes", type=int, nargs="+", default=[1],
+                    help="tensor-parallel sizes to run side by side (--tp-size of each server)")
+    ap.add_argument("--evict-scale", type=float, default=0.0,
+                    help="> 0: a NOSA checkpoint with random eviction heads of this scale (default: dense, A = 0)")
     ap.add_argument("--quick", action="store_true", help="contexts 4K and 8K, 32 new tokens")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "serve.json"))
     ap.add_argument("--py-spy", metavar="DIR", default=None,
@@ -166,11 +183,11 @@ def main() -> None:
         args.contexts, args.new_tokens = [4096, 8192], 32
 
     from nosa.config import NosaConfig
-    from nosa.serve.tools.process import ServerProcess
+    from nosa.serve.tools.process import ServerProcess, cpu_binding
 
     work = tempfile.mkdtemp(prefix="nosa_bench_")
     ckpt = os.path.join(work, "tiny-llama")
-    build_model(ckpt)
+    build_model(ckpt, args.evict_scale)
     max_ctx = max(args.contexts) + args.new_tokens + 16
     flags = ["--skip-server-warmup", "--dtype", "float32", "--chunked-prefill-size", "-1",
              "--mem-fraction-static", "0.3", "--context-length", str(max_ctx),
@@ -180,47 +197,56 @@ def main() -> None:
     py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy") or "py-spy"
     results = []
     for backend in args.backends:
-        env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
-        server = ServerProcess(ckpt, ["--attention-backend", backend, *flags],
-                               os.path.join(work, f"{backend}.log"), env=env).wait_ready()
-        try:
-            measure(server, 512, args.batch, 16, warm_up=True)  # first-call costs of a fresh server
-            for context in args.contexts:
-                spy = None
-                if args.py_spy:
-                    os.makedirs(args.py_spy, exist_ok=True)
-                    raw = os.path.join(args.py_spy, f"{backend}_{context}.txt")
-                    # --nonblocking: samples without pausing the server, so the timings stand
-                    spy = subprocess.Popen([py_spy, "record", "--pid", str(scheduler_pid(server)), "--rate", "50",
-                                            "--nonblocking", "--format", "raw", "-o", raw],
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                try:
-                    row = {"backend": backend, **measure(server, context, args.batch, args.new_tokens,
-                                                         cpu_pid=scheduler_pid(server))}
-                finally:
+        for tp in args.tp_sizes:
+            env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+            if tp > 1:
+                env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
+            server = ServerProcess(ckpt, ["--attention-backend", backend, "--tp-size", str(tp), *flags],
+                                   os.path.join(work, f"{backend}_tp{tp}.log"), env=env).wait_ready()
+            try:
+                measure(server, 512, args.batch, 16, warm_up=True)  # first-call costs of a fresh server
+                for context in args.contexts:
+                    spy = None
+                    if args.py_spy:
+                        os.makedirs(args.py_spy, exist_ok=True)
+                        raw = os.path.join(args.py_spy, f"{backend}_tp{tp}_{context}.txt")
+                        # --nonblocking: samples without pausing the server, so the timings stand
+                        spy = subprocess.Popen([py_spy, "record", "--pid", str(scheduler_pid(server)), "--rate",
+                                                "50", "--nonblocking", "--format", "raw", "-o", raw],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    try:
+                        row = {"backend": backend, "tp_size": tp,
+                               **measure(server, context, args.batch, args.new_tokens, cpu_pid=scheduler_pid(server))}
+                    finally:
+                        if spy is not None:
+                            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                            spy.wait(timeout=120)
                     if spy is not None:
-                        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-                        spy.wait(timeout=120)
-                if spy is not None:
-                    row["extend_profile"] = extend_profile(raw)
-                print(json.dumps(row), flush=True)
-                results.append(row)
-        finally:
-            server.stop()
-    speedup = {}
+                        row["extend_profile"] = extend_profile(raw)
+                    print(json.dumps(row), flush=True)
+                    results.append(row)
+            finally:
+                server.stop()
+    speedup, tp_speedup = {}, {}
     for context in args.contexts:
-        by = {r["backend"]: r for r in results if r["context"] == context}
+        by = {r["backend"]: r for r in results if r["context"] == context and r["tp_size"] == args.tp_sizes[0]}
         if "nosa" in by and "torch_native" in by:
             ratio = by["torch_native"]["ms_per_decode_step"] / by["nosa"]["ms_per_decode_step"]
             speedup[str(context)] = round(ratio, 2)
+        for backend in args.backends:
+            by_tp = {r["tp_size"]: r for r in results if r["context"] == context and r["backend"] == backend}
+            for tp in args.tp_sizes[1:]:  # decode step of the first size over each other size's
+                ratio = by_tp[args.tp_sizes[0]]["ms_per_decode_step"] / by_tp[tp]["ms_per_decode_step"]
+                tp_speedup[f"{backend} {context} tp{tp}"] = round(ratio, 2)
     report = {"model": "llama 2 layers, hidden 256, GQA 8/2, fp32, random weights",
-              "nosa_config": NosaConfig().to_dict(), "device": "cpu", "cpus": os.cpu_count(),
-              "threads": args.threads, "command": " ".join(sys.argv),
-              "results": results, "decode_speedup_nosa_over_torch_native": speedup}
+              "nosa_config": NosaConfig().to_dict(), "evict_scale": args.evict_scale, "device": "cpu",
+              "cpus": os.cpu_count(), "threads": args.threads, "command": " ".join(sys.argv),
+              "results": results, "decode_speedup_nosa_over_torch_native": speedup,
+              f"decode_speedup_over_tp{args.tp_sizes[0]}": tp_speedup}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(json.dumps(speedup))
+    print(json.dumps({"nosa_over_torch_native": speedup, f"over_tp{args.tp_sizes[0]}": tp_speedup}))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from nosa.serve.checkpoint import (
 )
 from nosa.serve.offload.block_cache import NewTokens
 from nosa.serve.offload.settings import offload_enabled
+from nosa.serve.parallel import KVHeadShard
 from nosa.serve.states import RequestStates
 from nosa.serve.step import ForwardStep
 
@@ -82,14 +83,15 @@ class NosaAttnBackend(AttentionBackend):
         model_config = model_runner.model_config
         text_config = model_config.hf_text_config
         self.num_layers = text_config.num_hidden_layers
-        self.num_kv_heads = text_config.num_key_value_heads
+        self.shard = KVHeadShard.of_process(text_config, model_runner.server_args)  # this TP rank's KV heads
+        self.num_kv_heads = self.shard.local
         self.head_dim = model_config.head_dim
 
         model_dir = resolve_model_dir(model_config.model_path, getattr(model_config, "revision", None))
         self.config, from_checkpoint = load_nosa_config(model_dir)
         if from_checkpoint:
             self.heads = load_eviction_heads(
-                model_dir, self.num_layers, self.num_kv_heads, self.head_dim, self.device
+                model_dir, self.num_layers, self.shard, self.head_dim, self.device
             )
         else:
             self.heads = zero_eviction_heads(self.num_layers, self.num_kv_heads, self.head_dim, self.device)
@@ -250,9 +252,8 @@ class NosaAttnBackend(AttentionBackend):
             raise NotImplementedError("nosa backend: sliding-window layers are not supported")
         if layer.tp_k_head_num != self.num_kv_heads:
             raise NotImplementedError(
-                f"nosa backend: KV heads are split across tensor-parallel ranks "
-                f"({layer.tp_k_head_num} of {self.num_kv_heads}); the eviction head reads all of a "
-                "token's value heads, so run with --tp-size 1"
+                f"nosa backend: layer {layer.layer_id} has {layer.tp_k_head_num} KV heads on this rank, the "
+                f"tensor-parallel layout {self.shard} gives it {self.num_kv_heads}"
             )
         if layer.qk_head_dim != self.head_dim:
             raise ValueError(f"nosa backend: layer head_dim {layer.qk_head_dim} != config {self.head_dim}")
