@@ -14,7 +14,13 @@ Contexts above the model's dense_len (4096) are where NOSA's selection applies.
 scale A, so that under tensor parallelism the ranks exchange the eviction heads' partial sums
 (a dense checkpoint's A = 0 heads need no other rank). On CPU a TP server gets
 SGLANG_CPU_OMP_THREADS_BIND, one share of the cores per rank (nosa.serve.tools.process.cpu_binding),
-and each rank runs ``--threads`` torch threads. Not a test: nothing is asserted.
+and each rank runs ``--threads`` torch threads.
+
+``--py-spy DIR`` also samples the server's scheduler process (the one running the forward passes)
+with py-spy (``pip install py-spy``) while each context is measured: the raw stacks go to
+``DIR/<backend>_tp<N>_<context>.txt`` (rank 0's scheduler under TP), and each result row gets
+``extend_profile``, the functions under the attention backend's ``forward_extend`` (prefill) with
+their share of its samples.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -63,10 +71,20 @@ def stream_generate(url: str, prompt: list[int], new_tokens: int, start: float, 
             out.append((time.perf_counter() - start, int(chunk["meta_info"]["completion_tokens"])))
 
 
-def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = False) -> dict | None:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = False,
+            cpu_pid: int | None = None) -> dict | None:
     """One batch of ``batch`` concurrent greedy requests of ``context`` random prompt tokens, streamed.
 
-    Prefill: until every request has its first token. Decode: the intervals between streamed tokens
+    Prefill: until every request has its first token (``prefill_s``; with ``cpu_pid``, the server's
+    scheduler process, also its CPU seconds over that time, ``prefill_cpu_s``: less sensitive than
+    wall time to other load on a shared machine). Decode: the intervals between streamed tokens
     once every request is decoding (the whole batch in each step), per token; the median over all
     requests and steps is the step time (robust to a noisy machine), the mean is reported too.
     Nothing here depends on the prefix cache or on work done before the first token."""
@@ -77,12 +95,16 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
     server.post("/flush_cache", {})
     g = torch.Generator().manual_seed(context)
     prompts = [torch.randint(0, 256, (context,), generator=g).tolist() for _ in range(batch)]
+    cpu_start = cpu_seconds(cpu_pid) if cpu_pid else 0.0
     start = time.perf_counter()
     streams = [[] for _ in prompts]
     threads = [threading.Thread(target=stream_generate, args=(server.url, p, new_tokens, start, out))
                for p, out in zip(prompts, streams)]
     for t in threads:
         t.start()
+    while not all(streams) and any(t.is_alive() for t in threads):  # until every first token
+        time.sleep(0.02)
+    prefill_cpu = cpu_seconds(cpu_pid) - cpu_start if cpu_pid else None
     for t in threads:
         t.join()
     if any(not s or s[-1][1] != new_tokens for s in streams):
@@ -98,7 +120,44 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
     return {"context": context, "batch": batch, "decode_tokens_per_s": round(batch / step, 2),
             "ms_per_decode_step": round(1000 * step, 2),
             "ms_per_decode_step_mean": round(1000 * statistics.fmean(per_token), 2),
-            "decode_intervals": len(per_token), "prefill_s": round(all_decoding, 2)}
+            "decode_intervals": len(per_token), "prefill_s": round(all_decoding, 2),
+            **({"prefill_cpu_s": round(prefill_cpu, 2)} if cpu_pid else {})}
+
+
+def scheduler_pid(server) -> int:
+    """The pid of the server's scheduler process, which runs the model (a child of the launcher)."""
+    listing = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(server.proc.pid)], capture_output=True,
+                             text=True, check=True).stdout
+    for line in listing.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if "scheduler" in args:
+            return int(pid)
+    raise RuntimeError(f"no scheduler process under the server's pid {server.proc.pid}:\n{listing}")
+
+
+def extend_profile(raw_path: str, top: int = 10) -> list[list]:
+    """[function (file), share of the extend's samples] for the functions under ``forward_extend``
+    in py-spy's raw stacks (``frame;frame;... count`` per line), most samples first (a function
+    counts once per stack), then the extend's samples and those of the whole run (decode too)."""
+    calls, total, busy = {}, 0, 0
+    with open(raw_path) as f:
+        for line in f:
+            stack, _, count = line.rstrip().rpartition(" ")
+            busy += int(count)
+            frames = stack.split(";")
+            # frames read "Class.method (file.py:line)"
+            below = [i for i, frame in enumerate(frames) if frame.partition(" (")[0].split(".")[-1] == "forward_extend"]
+            if not below:
+                continue
+            total += int(count)
+            names = set()
+            for frame in frames[below[0]:]:
+                name, _, where = frame.partition(" (")
+                names.add(f"{name} ({'/'.join(where.split(':')[0].split('/')[-2:])})")
+            for name in names:
+                calls[name] = calls.get(name, 0) + int(count)
+    ranked = sorted(calls.items(), key=lambda kv: -kv[1])[:top]
+    return [[name, round(n / max(1, total), 3)] for name, n in ranked] + [["samples", total], ["all samples", busy]]
 
 
 def main() -> None:
@@ -115,6 +174,8 @@ def main() -> None:
                     help="> 0: a NOSA checkpoint with random eviction heads of this scale (default: dense, A = 0)")
     ap.add_argument("--quick", action="store_true", help="contexts 4K and 8K, 32 new tokens")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "serve.json"))
+    ap.add_argument("--py-spy", metavar="DIR", default=None,
+                    help="sample the server's scheduler with py-spy while each context runs (see above)")
     args = ap.parse_args()
     # A plain kill must still stop the server (its process group) through the finally below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -132,6 +193,8 @@ def main() -> None:
              "--mem-fraction-static", "0.3", "--context-length", str(max_ctx),
              "--max-total-tokens", str(args.batch * max_ctx + 1024),
              "--max-running-requests", str(args.batch)]
+    # py-spy as installed beside this Python (a venv's bin), else on PATH
+    py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy") or "py-spy"
     results = []
     for backend in args.backends:
         for tp in args.tp_sizes:
@@ -143,7 +206,23 @@ def main() -> None:
             try:
                 measure(server, 512, args.batch, 16, warm_up=True)  # first-call costs of a fresh server
                 for context in args.contexts:
-                    row = {"backend": backend, "tp_size": tp, **measure(server, context, args.batch, args.new_tokens)}
+                    spy = None
+                    if args.py_spy:
+                        os.makedirs(args.py_spy, exist_ok=True)
+                        raw = os.path.join(args.py_spy, f"{backend}_tp{tp}_{context}.txt")
+                        # --nonblocking: samples without pausing the server, so the timings stand
+                        spy = subprocess.Popen([py_spy, "record", "--pid", str(scheduler_pid(server)), "--rate",
+                                                "50", "--nonblocking", "--format", "raw", "-o", raw],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    try:
+                        row = {"backend": backend, "tp_size": tp,
+                               **measure(server, context, args.batch, args.new_tokens, cpu_pid=scheduler_pid(server))}
+                    finally:
+                        if spy is not None:
+                            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                            spy.wait(timeout=120)
+                    if spy is not None:
+                        row["extend_profile"] = extend_profile(raw)
                     print(json.dumps(row), flush=True)
                     results.append(row)
             finally:

@@ -12,7 +12,8 @@ layer's blocks (offloading with the recall scheduler) -> attend (``attend_resolv
 What differs between the two modes is only where K, V and cis live, i.e. which KV view (nosa.kv)
 the layer reads through:
 - offloading off (default): SGLang's device pool [slots, Hkv, D] plus a cis buffer per layer kept
-  here, read in place (``nosa.kv.PagedKV``); extend runs ``nosa_prefill`` over the gathered context;
+  here, read in place (``nosa.kv.PagedKV``); extend runs ``prefill_from_pool``: nosa's prefill over
+  the context gathered from the pool, its cis read from the cis buffer;
 - offloading on ($NOSA_OFFLOAD=1): SGLang's pool is the host pool, and the offloading engine
   (nosa.serve.offload.engine.OffloadEngine) gives each layer an ``OffloadKV``
   (nosa.serve.offload.kv): decode resolves through the device block cache, extend runs
@@ -36,7 +37,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from nosa.attention.prefill import nosa_prefill
+from nosa.attention.prefill import prefill_attention
 from nosa.decode import NosaDecodeState, attend_resolved, decode_blocks, decode_select
 from nosa.kv import PagedKV
 from nosa.serve.checkpoint import (
@@ -52,6 +53,16 @@ from nosa.serve.states import RequestStates
 from nosa.serve.step import ForwardStep
 
 logger = logging.getLogger(__name__)
+
+
+def prefill_from_pool(q, k_buf, v_buf, cis_buf, slots, cfg, scale: float) -> torch.Tensor:
+    """The extend of one request (offloading off): its new rows q [n, Hq, D] over its whole context,
+    read from a token-slot pool: k_buf, v_buf [S, Hkv, D], cis_buf [S, Hkv] (the eviction scores
+    stored with each token when it was written, so no extend recomputes the context's), slots [L]
+    the context's slots, its new tokens last. Returns out [n, Hq, D], ``nosa_prefill``'s output.
+    Rows within dense_len attend densely without a selection (``prefill_attention``)."""
+    slots = slots.long()
+    return prefill_attention(q, k_buf[slots].to(q.dtype), v_buf[slots].to(q.dtype), cis_buf[slots], cfg, scale)
 
 
 class LayerIO(NamedTuple):
@@ -209,14 +220,11 @@ class NosaAttnBackend(AttentionBackend):
                        self.req_to_token_pool.req_to_token, self.step.table_rows, self.step.lengths)
 
     def _prefill_from_pool(self, q, slots, layer) -> torch.Tensor:
-        """``nosa_prefill`` of one request's new rows q [n, Hq, D] over its whole context, gathered
-        from SGLang's device pool at ``slots`` [L] (offloading off)."""
+        """NOSA prefill of one request's new rows q [n, Hq, D] over its whole context in SGLang's
+        device pool at ``slots`` [L] (offloading off)."""
         pool, layer_id = self.token_to_kv_pool, layer.layer_id
-        slots = slots.long()
-        v_ctx = pool.get_value_buffer(layer_id)[slots].to(q.dtype)
-        out, _ = nosa_prefill(q, pool.get_key_buffer(layer_id)[slots].to(q.dtype), v_ctx,
-                              self.heads[layer_id](v_ctx), self.config, layer.scaling)
-        return out
+        return prefill_from_pool(q, pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id),
+                                 self.cis_pool[layer_id], slots, self.config, layer.scaling)
 
     def _store_new_tokens(self, k, v, layer, forward_batch, save_kv_cache) -> torch.Tensor:
         """K and V of the forward's new tokens into SGLang's pool (unless SGLang saved them), and
