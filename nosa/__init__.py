@@ -1,6 +1,8 @@
 """nosa: trainable, offload-friendly block-sparse attention (NOSA).
 
-Only torch is needed to import this package; transformers is imported when nosa.hf is used.
+Only torch is needed to import this package; transformers is imported when nosa.hf is used. Once
+transformers has built its Auto classes, the NOSA model types are registered with them, so a plain
+``AutoModelForCausalLM.from_pretrained`` of a NOSA checkpoint gives the NOSA model (nosa.hf_models).
 The reference implementation (nosa.select, nosa.attention) is the spec that kernels and the
 SGLang backend are tested against.
 """
@@ -9,6 +11,7 @@ import importlib.util as _importlib_util
 import os as _os
 import sys as _sys
 
+from nosa import after_import as _after_import
 from nosa.attention.math import dense_attention
 from nosa.attention.prefill import nosa_prefill, nosa_prefill_varlen
 from nosa.config import NosaConfig
@@ -45,18 +48,31 @@ _attach_folder_packages()
 
 
 def convert(model, config: NosaConfig | None = None):
-    """Turn a transformers Llama / Qwen2 / Qwen3 causal LM into NOSA in place (see nosa.hf.convert)."""
-    from nosa.hf import convert as _convert
+    """Turn a transformers Llama / Qwen2 / Qwen3 causal LM into NOSA in place (see nosa.hf_models.convert)."""
+    from nosa.hf_models import convert as _convert
 
     return _convert(model, config)
 
 
 def from_pretrained(path: str, config: NosaConfig | None = None, **kwargs):
-    """Load a NOSA (or dense) checkpoint as a NOSA model (see nosa.hf.from_pretrained)."""
-    from nosa.hf import from_pretrained as _from_pretrained
+    """Load a NOSA (or dense) checkpoint as a NOSA model (see nosa.hf_models.from_pretrained)."""
+    from nosa.hf_models import from_pretrained as _from_pretrained
 
     return _from_pretrained(path, config, **kwargs)
 
+
+def _register_configs() -> None:
+    import nosa.hf_configs  # noqa: F401  (importing it registers the NOSA config classes)
+
+
+def _register_models() -> None:
+    import nosa.hf_models  # noqa: F401  (importing it registers the NOSA causal-LM classes)
+
+
+# AutoConfig / AutoModelForCausalLM learn the NOSA model types when transformers builds them (now,
+# if it already has), without `import nosa` importing transformers (nosa.after_import).
+_after_import.when_imported("transformers.models.auto.configuration_auto", _register_configs, quiet="transformers")
+_after_import.when_imported("transformers.models.auto.modeling_auto", _register_models, quiet="transformers")
 
 __all__ = [
     "NosaConfig",

@@ -1,9 +1,9 @@
-"""Hugging Face transformers integration: ``convert`` a Llama / Qwen2 / Qwen3 causal LM to NOSA.
+"""The "nosa" attention of transformers models: the attention function and the eviction heads it reads.
 
-``convert`` adds an ``EvictionHead`` named ``nosa_evict`` to every attention module, registers the
-"nosa" attention implementation (transformers' AttentionInterface, plus the SDPA mask function so
-padding reaches us) and stores the NosaConfig in ``model.config.nosa``. ``save_pretrained`` then
-writes the eviction heads and the config; ``nosa.from_pretrained`` reads both back.
+``add_eviction_heads`` gives every attention module an ``EvictionHead`` named ``nosa_evict`` and
+the NosaConfig; ``register`` makes "nosa" a transformers attention implementation (AttentionInterface,
+plus the SDPA mask function so padding reaches us). The NOSA model classes (nosa.hf_models) use
+both; ``nosa.convert`` and ``nosa.from_pretrained`` are there too.
 
 Inside the attention function, sequences are handled one at a time in the token-major layout of
 nosa.attention.math: prefill/training rows go through ``nosa_prefill`` (the spec), single-token decode
@@ -26,13 +26,14 @@ import contextlib
 import torch
 
 from nosa.attention.prefill import nosa_prefill, nosa_prefill_varlen
+from nosa.checkpoint_format import MODEL_TYPES
 from nosa.config import CONFIG_KEY, NosaConfig
 from nosa.decode import NosaDecodeState
-from nosa.eviction import MODULE_NAME, EvictionHead, read_eviction_tensors
+from nosa.eviction import MODULE_NAME, EvictionHead
 from nosa.kv import ContiguousKV
 
 ATTN_IMPLEMENTATION = "nosa"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)  # llama, qwen2, qwen3: the base models NOSA extends
 
 
 def register() -> None:
@@ -44,34 +45,17 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
-def convert(model, config: NosaConfig | None = None):
-    """Turn a transformers Llama / Qwen2 / Qwen3 causal LM into NOSA attention, in place.
-
-    Adds ``self_attn.nosa_evict`` (W, b, A with A = 0, so outputs start as training-free NOSA
-    selection) to every layer that lacks one, stores ``config`` in ``model.config.nosa`` and
-    switches the attention implementation to "nosa". Without ``config``, the one already stored in
-    ``model.config.nosa`` is used (a model loaded from a NOSA checkpoint), else NosaConfig().
-    Returns the model.
-    """
-    config = config or nosa_config_of(model.config) or NosaConfig()
-    model_type = getattr(model.config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"nosa.convert: unsupported architecture {model_type!r} ({type(model).__name__}); "
-            f"supported model_type values are {list(SUPPORTED_MODEL_TYPES)}"
-        )
-    text_config = model.config
-    num_kv = text_config.num_key_value_heads
+def add_eviction_heads(model, config: NosaConfig) -> None:
+    """Give every attention module of a Llama / Qwen2 / Qwen3 model an eviction head (W, b and A = 0,
+    so attention starts as training-free NOSA selection) where it lacks one, and ``config``; store
+    ``config`` in ``model.config.nosa``. The heads take the device and dtype of ``k_proj``."""
+    num_kv = model.config.num_key_value_heads
     for attn in _attention_modules(model):
         if not hasattr(attn, MODULE_NAME):
             ref = attn.k_proj.weight
-            head = EvictionHead(num_kv, attn.head_dim, device=ref.device, dtype=ref.dtype)
-            setattr(attn, MODULE_NAME, head)
+            setattr(attn, MODULE_NAME, EvictionHead(num_kv, attn.head_dim, device=ref.device, dtype=ref.dtype))
         attn._nosa_config = config
     setattr(model.config, CONFIG_KEY, config.to_dict())
-    register()
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return model
 
 
 def nosa_config_of(hf_config, source: str = "the model config") -> NosaConfig | None:
@@ -84,37 +68,6 @@ def nosa_config_of(hf_config, source: str = "the model config") -> NosaConfig | 
         return NosaConfig.from_dict(data)
     except (TypeError, ValueError) as err:
         raise ValueError(f"malformed '{CONFIG_KEY}' section in {source}: {err}") from err
-
-
-def from_pretrained(path: str, config: NosaConfig | None = None, **kwargs):
-    """Load a checkpoint as a NOSA model.
-
-    A NOSA checkpoint (written by ``save_pretrained`` after ``convert``, or by nosa.train) gets its
-    NosaConfig and eviction heads back; a dense checkpoint is converted with ``config`` (default
-    NosaConfig()) and A = 0. ``kwargs`` go to ``AutoModelForCausalLM.from_pretrained``.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    register()
-    hf_config = AutoConfig.from_pretrained(path)
-    stored = nosa_config_of(hf_config)
-    if stored is not None and config is not None and stored != config:
-        raise ValueError(f"{path} holds NosaConfig {stored}, which differs from the one passed: {config}")
-    config = stored or config or NosaConfig()
-    kwargs.setdefault("attn_implementation", ATTN_IMPLEMENTATION)
-    # transformers reports the eviction-head tensors as UNEXPECTED (its Llama has no such module);
-    # they are loaded below, so keep that report out of the user's log.
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, config=hf_config, **kwargs)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    convert(model, config)
-    if stored is not None:
-        _load_eviction_heads(model, path)
-    return model
 
 
 def nosa_attention_forward(
@@ -259,15 +212,3 @@ def _attention_modules(model):
     if not modules:
         raise ValueError(f"nosa: found no '*.self_attn' modules in {type(model).__name__}")
     return modules
-
-
-def _load_eviction_heads(model, path: str) -> None:
-    """Copy the checkpoint's ``*.nosa_evict.*`` tensors into the model's eviction heads."""
-    tensors = read_eviction_tensors(path)
-    wanted = {n: p for n, p in model.named_parameters() if f".{MODULE_NAME}." in n}
-    missing = sorted(set(wanted) - set(tensors))
-    if missing:
-        raise ValueError(f"{path} is a NOSA checkpoint but lacks eviction-head weights: {missing[:4]}...")
-    with torch.no_grad():
-        for name, param in wanted.items():
-            param.copy_(tensors[name])

@@ -65,13 +65,23 @@ def query_block_scores(
     rows, hq, d = q.shape
     num_windows, hkv, _ = compressed_k.shape
     group = hq // hkv
-    qg = q.float().reshape(rows, hkv, group, d)
-    logits = torch.einsum("rhgd,chd->rhgc", qg, compressed_k.float()) * scale
-    window_end = (
-        torch.arange(num_windows, device=q.device) * cfg.compress_stride + cfg.compress_kernel
-    )
+    # head-major [Hkv, R * G, C] logits straight out of one bmm (no permuted copy); the softmax and
+    # the group sum see the same values in the same order as in block_scores_from_logits (decode),
+    # so prefill and decode select alike
+    qh = q.float().reshape(rows, hkv, group, d).transpose(0, 1).reshape(hkv, rows * group, d)
+    logits = torch.bmm(qh, compressed_k.float().permute(1, 2, 0)).mul_(scale)
+    window_end = torch.arange(num_windows, device=q.device) * cfg.compress_stride + cfg.compress_kernel
     visible = window_end[None, :] <= positions[:, None] + 1  # [R, C]
-    return block_scores_from_logits(logits, visible, num_blocks, cfg)
+    # windows every row sees need no mask: only the last few columns (the rows' positions differ
+    # by less than a chunk) are masked, not the whole [R, C]
+    seen_by_all = int(visible.all(dim=0).sum()) if rows else 0
+    tail = logits.view(hkv, rows, group, num_windows)[..., seen_by_all:]
+    tail.masked_fill_(~visible[None, :, None, seen_by_all:], NEG_INF)
+    probs = torch.softmax(logits, dim=-1)
+    if seen_by_all == 0:  # some row sees no window: its softmax is NaN, its probabilities 0
+        probs = probs.nan_to_num(0.0)
+    scores = probs.view(hkv, rows, group, num_windows).sum(dim=2).masked_fill_(~visible[None], NEG_INF)
+    return pool_to_blocks(scores, num_blocks, cfg).transpose(0, 1)
 
 
 def block_scores_from_logits(

@@ -3,17 +3,31 @@
     .venv/bin/python scripts/bench_serve.py [--quick] [--contexts 4096 8192 32768 65536] [--out results/serve.json]
     .venv/bin/python scripts/bench_serve.py --backends torch_native nosa nosa+compile --contexts 4096 32768
     .venv/bin/python scripts/bench_serve.py --checkpoint runs/tiny/nosa --backends nosa nosa+offload --contexts 2048
+    .venv/bin/python scripts/bench_serve.py --backends nosa --tp-sizes 1 2 --evict-scale 1 --contexts 32768
 
 Builds a tiny random Llama (2 layers, hidden 256, GQA 8/2; a dense checkpoint, so the backend uses
-the released NosaConfig defaults: 64 blocks of 64 tokens, dense_len 4096), then for each backend
-starts one server (stopped before the next starts: an idle server keeps a core busy) and, for each
-context length, sends ``--batch`` concurrent greedy requests with streaming (see ``measure``: the
-decode step time is the median interval between streamed tokens while the whole batch decodes, so
-prefill and request handling are excluded). Contexts above the model's dense_len (4096) are where
-NOSA's selection applies. ``--backends`` picks variants (VARIANTS: eager or under SGLang's CPU
-graph runner, offloading off or on); ``--checkpoint`` serves another checkpoint (its NosaConfig).
-The JSON's ``ratios`` compare the variants per context and each variant's longest context with its
-shortest. Not a test: nothing is asserted.
+the released NosaConfig defaults: 64 blocks of 64 tokens, dense_len 4096), then for each variant
+(and tensor-parallel size, ``--tp-sizes``) starts one server (stopped before the next starts: an
+idle server keeps a core busy) and, for each context length, sends ``--batch`` concurrent greedy
+requests with streaming (see ``measure``: the decode step time is the median interval between
+streamed tokens while the whole batch decodes, so prefill and request handling are excluded).
+Contexts above the model's dense_len (4096) are where NOSA's selection applies. ``--backends``
+picks variants (VARIANTS: eager or under SGLang's CPU graph runner, offloading off or on);
+``--checkpoint`` serves another checkpoint (its NosaConfig). The JSON's ``ratios`` compare the
+variants per context, each variant's longest context with its shortest, and each TP size with the
+first. Not a test: nothing is asserted.
+
+``--evict-scale A`` (A > 0) converts the model to a NOSA checkpoint with random eviction heads of
+scale A, so that under tensor parallelism the ranks exchange the eviction heads' partial sums
+(a dense checkpoint's A = 0 heads need no other rank). On CPU a TP server gets
+SGLANG_CPU_OMP_THREADS_BIND, one share of the cores per rank (nosa.serve.tools.process.cpu_binding),
+and each rank runs ``--threads`` torch threads.
+
+``--py-spy DIR`` also samples the server's scheduler process (the one running the forward passes)
+with py-spy (``pip install py-spy``) while each context is measured: the raw stacks go to
+``DIR/<variant>_tp<N>_<context>.txt`` (rank 0's scheduler under TP), and each result row gets
+``extend_profile``, the functions under the attention backend's ``forward_extend`` (prefill) with
+their share of its samples.
 """
 
 from __future__ import annotations
@@ -21,7 +35,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -31,12 +47,18 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def build_model(path: str) -> None:
+def build_model(path: str, evict_scale: float = 0.0) -> None:
+    """The tiny Llama; with ``evict_scale`` > 0 a NOSA checkpoint (default NosaConfig, random
+    eviction heads of scale ``evict_scale``)."""
+    import nosa
     from nosa.serve.tools.tiny_checkpoint import make_tokenizer
-    from nosa.tiny import tiny_llama
+    from nosa.tiny import set_eviction_heads, tiny_llama
 
     model = tiny_llama(layers=2, hidden=256, heads=8, kv_heads=2, vocab=320, seed=0, intermediate=512,
                        max_positions=131072, bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
+    if evict_scale > 0:
+        nosa.convert(model, nosa.NosaConfig())
+        set_eviction_heads(model, scale=evict_scale, std=0.3, seed=0, bias_std=0.3)
     model.save_pretrained(path)
     make_tokenizer(path)
 
@@ -56,10 +78,20 @@ def stream_generate(url: str, prompt: list[int], new_tokens: int, start: float, 
             out.append((time.perf_counter() - start, int(chunk["meta_info"]["completion_tokens"])))
 
 
-def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = False) -> dict | None:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = False,
+            cpu_pid: int | None = None) -> dict | None:
     """One batch of ``batch`` concurrent greedy requests of ``context`` random prompt tokens, streamed.
 
-    Prefill: until every request has its first token. Decode: the intervals between streamed tokens
+    Prefill: until every request has its first token (``prefill_s``; with ``cpu_pid``, the server's
+    scheduler process, also its CPU seconds over that time, ``prefill_cpu_s``: less sensitive than
+    wall time to other load on a shared machine). Decode: the intervals between streamed tokens
     once every request is decoding (the whole batch in each step), per token; the median over all
     requests and steps is the step time (robust to a noisy machine), the mean is reported too.
     Nothing here depends on the prefix cache or on work done before the first token."""
@@ -70,12 +102,16 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
     server.post("/flush_cache", {})
     g = torch.Generator().manual_seed(context)
     prompts = [torch.randint(0, 256, (context,), generator=g).tolist() for _ in range(batch)]
+    cpu_start = cpu_seconds(cpu_pid) if cpu_pid else 0.0
     start = time.perf_counter()
     streams = [[] for _ in prompts]
     threads = [threading.Thread(target=stream_generate, args=(server.url, p, new_tokens, start, out))
                for p, out in zip(prompts, streams)]
     for t in threads:
         t.start()
+    while not all(streams) and any(t.is_alive() for t in threads):  # until every first token
+        time.sleep(0.02)
+    prefill_cpu = cpu_seconds(cpu_pid) - cpu_start if cpu_pid else None
     for t in threads:
         t.join()
     if any(not s or s[-1][1] != new_tokens for s in streams):
@@ -91,7 +127,44 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
     return {"context": context, "batch": batch, "decode_tokens_per_s": round(batch / step, 2),
             "ms_per_decode_step": round(1000 * step, 2),
             "ms_per_decode_step_mean": round(1000 * statistics.fmean(per_token), 2),
-            "decode_intervals": len(per_token), "prefill_s": round(all_decoding, 2)}
+            "decode_intervals": len(per_token), "prefill_s": round(all_decoding, 2),
+            **({"prefill_cpu_s": round(prefill_cpu, 2)} if cpu_pid else {})}
+
+
+def scheduler_pid(server) -> int:
+    """The pid of the server's scheduler process, which runs the model (a child of the launcher)."""
+    listing = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(server.proc.pid)], capture_output=True,
+                             text=True, check=True).stdout
+    for line in listing.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if "scheduler" in args:
+            return int(pid)
+    raise RuntimeError(f"no scheduler process under the server's pid {server.proc.pid}:\n{listing}")
+
+
+def extend_profile(raw_path: str, top: int = 10) -> list[list]:
+    """[function (file), share of the extend's samples] for the functions under ``forward_extend``
+    in py-spy's raw stacks (``frame;frame;... count`` per line), most samples first (a function
+    counts once per stack), then the extend's samples and those of the whole run (decode too)."""
+    calls, total, busy = {}, 0, 0
+    with open(raw_path) as f:
+        for line in f:
+            stack, _, count = line.rstrip().rpartition(" ")
+            busy += int(count)
+            frames = stack.split(";")
+            # frames read "Class.method (file.py:line)"
+            below = [i for i, frame in enumerate(frames) if frame.partition(" (")[0].split(".")[-1] == "forward_extend"]
+            if not below:
+                continue
+            total += int(count)
+            names = set()
+            for frame in frames[below[0]:]:
+                name, _, where = frame.partition(" (")
+                names.add(f"{name} ({'/'.join(where.split(':')[0].split('/')[-2:])})")
+            for name in names:
+                calls[name] = calls.get(name, 0) + int(count)
+    ranked = sorted(calls.items(), key=lambda kv: -kv[1])[:top]
+    return [[name, round(n / max(1, total), 3)] for name, n in ranked] + [["samples", total], ["all samples", busy]]
 
 
 VARIANTS = {
@@ -103,12 +176,17 @@ VARIANTS = {
 }
 
 
-def server_setup(variant: str, flags: list[str], cfg, batch: int, host_tokens: int, threads: int | None):
-    """(server arguments, environment) of a variant of VARIANTS."""
+def server_setup(variant: str, flags: list[str], cfg, batch: int, host_tokens: int, threads: int | None,
+                 tp: int = 1):
+    """(server arguments, environment) of a variant of VARIANTS at tensor-parallel size ``tp``."""
+    from nosa.serve.tools.process import cpu_binding
+
     backend = "torch_native" if variant == "torch_native" else "nosa"
-    server_args, env = ["--attention-backend", backend, *flags], {}
+    server_args, env = ["--attention-backend", backend, "--tp-size", str(tp), *flags], {}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
+    if tp > 1:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
     if "offload" in variant:
         server_args += ["--page-size", str(cfg.block_size)]
         env.update(NOSA_OFFLOAD="1", NOSA_HOST_KV_TOKENS=str(host_tokens),
@@ -123,20 +201,48 @@ def server_setup(variant: str, flags: list[str], cfg, batch: int, host_tokens: i
     return server_args, env
 
 
-def ratios(results: list[dict], contexts: list[int]) -> dict:
-    """Per context, ms-per-step ratios of the variants measured side by side (> 1: the first is slower)."""
+def ratios(results: list[dict], contexts: list[int], tp_sizes: list[int]) -> dict:
+    """Ratios of ms per decode step measured side by side (> 1: the first is slower): per context the
+    variants at the first TP size, each variant's longest context over its shortest, and per
+    variant and context the first TP size over each other one ("nosa 32768 tp2")."""
     out = {}
+    first = [r for r in results if r["tp_size"] == tp_sizes[0]]
     pairs = {"torch_native_over_nosa": ("torch_native", "nosa"), "nosa_over_nosa_compile": ("nosa", "nosa+compile"),
              "offload_over_nosa": ("nosa+offload", "nosa"),
              "offload_over_offload_compile": ("nosa+offload", "nosa+offload+compile")}
     for context in contexts:
-        by = {r["backend"]: r["ms_per_decode_step"] for r in results if r["context"] == context}
+        by = {r["backend"]: r["ms_per_decode_step"] for r in first if r["context"] == context}
         out[str(context)] = {name: round(by[a] / by[b], 3) for name, (a, b) in pairs.items() if a in by and b in by}
     for variant in VARIANTS:  # decode flat in context: the longest context's step over the shortest's
-        steps = [(r["context"], r["ms_per_decode_step"]) for r in results if r["backend"] == variant]
+        steps = [(r["context"], r["ms_per_decode_step"]) for r in first if r["backend"] == variant]
         if len(steps) > 1:
             out[f"{variant}_longest_over_shortest"] = round(max(steps)[1] / min(steps)[1], 3)
+    for r in results:
+        if r["tp_size"] != tp_sizes[0]:
+            base = next(b for b in first if b["backend"] == r["backend"] and b["context"] == r["context"])
+            out[f"{r['backend']} {r['context']} tp{r['tp_size']}"] = round(
+                base["ms_per_decode_step"] / r["ms_per_decode_step"], 3)
     return out
+
+
+def profiled_measure(server, context: int, batch: int, new_tokens: int, spy_path: str | None) -> dict:
+    """``measure`` with the scheduler's CPU seconds; with ``spy_path``, py-spy samples the scheduler
+    meanwhile (raw stacks to that file) and the row gets ``extend_profile``."""
+    pid = scheduler_pid(server)
+    if spy_path is None:
+        return measure(server, context, batch, new_tokens, cpu_pid=pid)
+    os.makedirs(os.path.dirname(spy_path), exist_ok=True)
+    # py-spy as installed beside this Python (a venv's bin), else on PATH
+    py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy") or "py-spy"
+    # --nonblocking: samples without pausing the server, so the timings stand
+    spy = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", "50", "--nonblocking", "--format", "raw",
+                            "-o", spy_path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        row = measure(server, context, batch, new_tokens, cpu_pid=pid)
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        spy.wait(timeout=120)
+    return {**row, "extend_profile": extend_profile(spy_path)}
 
 
 def main() -> None:
@@ -150,8 +256,15 @@ def main() -> None:
                     help="variants, each its own server in turn (see VARIANTS)")
     ap.add_argument("--checkpoint", default=None,
                     help="serve this checkpoint (e.g. the quickstart's runs/tiny/nosa), not the tiny random Llama")
+    ap.add_argument("--tp-sizes", type=int, nargs="+", default=[1],
+                    help="tensor-parallel sizes to run side by side (--tp-size of each server)")
+    ap.add_argument("--evict-scale", type=float, default=0.0,
+                    help="> 0: the tiny Llama as a NOSA checkpoint with random eviction heads of this scale "
+                         "(default: dense, A = 0)")
     ap.add_argument("--quick", action="store_true", help="contexts 4K and 8K, 32 new tokens")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "serve.json"))
+    ap.add_argument("--py-spy", metavar="DIR", default=None,
+                    help="sample the server's scheduler with py-spy while each context runs (see above)")
     args = ap.parse_args()
     # A plain kill must still stop the server (its process group) through the finally below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -166,7 +279,7 @@ def main() -> None:
     ckpt = args.checkpoint
     if ckpt is None:
         ckpt = os.path.join(work, "tiny-llama")
-        build_model(ckpt)
+        build_model(ckpt, args.evict_scale)
     cfg = load_nosa_config(ckpt)[0] if args.checkpoint else NosaConfig()
     max_ctx = max(args.contexts) + args.new_tokens + 16
     host_tokens = args.batch * max_ctx + 1024
@@ -175,26 +288,29 @@ def main() -> None:
              "--max-total-tokens", str(host_tokens), "--max-running-requests", str(args.batch)]
     results = []
     for variant in args.backends:
-        server_args, env = server_setup(variant, flags, cfg, args.batch, host_tokens, args.threads)
-        start = time.perf_counter()
-        server = ServerProcess(ckpt, server_args, os.path.join(work, f"{variant}.log"), env=env).wait_ready(
-            timeout=1800)  # the compiled variants build their decode graph at start-up
-        startup = round(time.perf_counter() - start, 1)
-        try:
-            measure(server, 512, args.batch, 16, warm_up=True)  # first-call costs of a fresh server
-            for context in args.contexts:
-                row = {"backend": variant, **measure(server, context, args.batch, args.new_tokens),
-                       "server_start_s": startup}
-                print(json.dumps(row), flush=True)
-                results.append(row)
-        finally:
-            server.stop()
+        for tp in args.tp_sizes:
+            server_args, env = server_setup(variant, flags, cfg, args.batch, host_tokens, args.threads, tp)
+            start = time.perf_counter()
+            server = ServerProcess(ckpt, server_args, os.path.join(work, f"{variant}_tp{tp}.log"), env=env).wait_ready(
+                timeout=1800)  # the compiled variants build their decode graph at start-up
+            startup = round(time.perf_counter() - start, 1)
+            try:
+                measure(server, 512, args.batch, 16, warm_up=True)  # first-call costs of a fresh server
+                for context in args.contexts:
+                    spy = os.path.join(args.py_spy, f"{variant}_tp{tp}_{context}.txt") if args.py_spy else None
+                    row = {"backend": variant, "tp_size": tp,
+                           **profiled_measure(server, context, args.batch, args.new_tokens, spy),
+                           "server_start_s": startup}
+                    print(json.dumps(row), flush=True)
+                    results.append(row)
+            finally:
+                server.stop()
     report = {"model": f"checkpoint {args.checkpoint}" if args.checkpoint else
               "llama 2 layers, hidden 256, GQA 8/2, fp32, random weights",
-              "nosa_config": cfg.to_dict(), "device": "cpu", "cpus": os.cpu_count(),
-              "threads": args.threads, "command": " ".join(sys.argv),
+              "nosa_config": cfg.to_dict(), "evict_scale": None if args.checkpoint else args.evict_scale,
+              "device": "cpu", "cpus": os.cpu_count(), "threads": args.threads, "command": " ".join(sys.argv),
               "variants": {v: VARIANTS[v] for v in args.backends},
-              "results": results, "ratios": ratios(results, args.contexts)}
+              "results": results, "ratios": ratios(results, args.contexts, args.tp_sizes)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

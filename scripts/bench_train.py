@@ -10,9 +10,10 @@ converted to NOSA with the config's ``nosa`` section and eviction heads switched
 the selection is what a fine-tuned model's would be). Each variant gets warm-up steps, then the
 median of the timed steps is reported; the variants alternate step by step so machine noise hits
 both alike. Also times the NOSA forward alone (``--prefill-context``, default 32K, released
-NosaConfig) on one layer's shapes, the extend path SGLang runs. ``--crossover`` times the two CPU
-paths of the selected-block attention (gathered, masked) against each other over context lengths,
-the measurements behind nosa.attention.masked's thresholds. Not a test: nothing is asserted.
+NosaConfig) on one layer's shapes, the extend path SGLang runs, against dense causal SDPA.
+``--crossover`` times the two CPU paths of the selected-block attention (gathered, masked)
+against each other over context lengths, the measurements behind nosa.attention.masked's
+thresholds. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -46,21 +47,24 @@ def make_step(model, batch: dict, lr: float):
 
 
 def prefill_case(context: int, a_nonzero: bool, hq: int = 8, hkv: int = 2, d: int = 32, repeats: int = 1) -> dict:
-    """nosa_prefill (no grad) vs dense SDPA over one layer's q/k/v of ``context`` tokens (the
-    serving benchmark's head shapes), eviction scores zero (A = 0) or not."""
-    from nosa import NosaConfig, nosa_prefill
+    """The serving extend's attention (``prefill_attention``: no selections for the rows within
+    dense_len) vs dense causal SDPA (the kernel SGLang's torch_native backend runs) over one
+    layer's q/k/v of ``context`` tokens (the serving benchmark's head shapes), eviction scores zero
+    (A = 0) or not."""
+    from nosa import NosaConfig
     from nosa.attention.math import dense_attention
+    from nosa.attention.prefill import prefill_attention
 
     cfg = NosaConfig()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(context, h, d, generator=g) for h in (hq, hkv, hkv))
     cis = torch.rand(context, hkv, generator=g) if a_nonzero else torch.zeros(context, hkv)
-    times = {"dense_sdpa": [], "nosa_prefill": []}
-    cpu = {"dense_sdpa": [], "nosa_prefill": []}
+    times = {"dense_sdpa": [], "prefill_attention": []}
+    cpu = {"dense_sdpa": [], "prefill_attention": []}
     with torch.no_grad():
         for _ in range(repeats):
             for name, fn in (("dense_sdpa", lambda: dense_attention(q, k, v, d**-0.5)),
-                             ("nosa_prefill", lambda: nosa_prefill(q, k, v, cis, cfg, d**-0.5))):
+                             ("prefill_attention", lambda: prefill_attention(q, k, v, cis, cfg, d**-0.5))):
                 t0, c0 = time.perf_counter(), time.process_time()
                 fn()
                 times[name].append(time.perf_counter() - t0)
@@ -70,8 +74,8 @@ def prefill_case(context: int, a_nonzero: bool, hq: int = 8, hkv: int = 2, d: in
     for name in times:
         out[f"{name}_s"] = round(min(times[name]), 3)
         out[f"{name}_cpu_s"] = round(min(cpu[name]), 3)
-    out["ratio_nosa_over_dense"] = round(out["nosa_prefill_s"] / out["dense_sdpa_s"], 2)
-    out["cpu_ratio_nosa_over_dense"] = round(out["nosa_prefill_cpu_s"] / out["dense_sdpa_cpu_s"], 2)
+    out["ratio_nosa_over_dense"] = round(out["prefill_attention_s"] / out["dense_sdpa_s"], 2)
+    out["cpu_ratio_nosa_over_dense"] = round(out["prefill_attention_cpu_s"] / out["dense_sdpa_cpu_s"], 2)
     return out
 
 
@@ -123,7 +127,7 @@ def main() -> None:
                     help="torch intra-op threads (default: torch's choice; 1 gives stable figures on a shared machine)")
     ap.add_argument("--crossover", action="store_true",
                     help="also time attend_selected's gathered vs masked CPU paths on one layer: training "
-                         "(the config's nosa, 1-8x its seq_len) and prefill (released NosaConfig, 8K-64K): the "
+                         "(the config's nosa, 1-8x its seq_len) and prefill (released NosaConfig, 5K-16K): the "
                          "measurements behind nosa.attention.masked's thresholds (about 5 minutes)")
     ap.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed steps, prefill at 8K")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "train.json"))
@@ -181,7 +185,7 @@ def main() -> None:
         heads = (dense.config.num_attention_heads, dense.config.num_key_value_heads)
         d = dense.config.hidden_size // heads[0]
         rows = [crossover_case(cfg.seq_len * m, cfg.nosa_config, True, *heads, d=d) for m in (1, 2, 4, 8)]
-        rows += [crossover_case(c, nosa.NosaConfig(), False, 8, 2, repeats=1) for c in (8192, 16384, 32768, 65536)]
+        rows += [crossover_case(c, nosa.NosaConfig(), False, 8, 2, repeats=1) for c in (5120, 6144, 8192, 16384)]
         result["crossover"] = rows
         for row in result["crossover"]:
             print(json.dumps({k: v for k, v in row.items() if k != "nosa_config"}), flush=True)

@@ -20,8 +20,8 @@ and the block cache's spare group, and count nowhere.
 What differs between the two modes is only where K, V and cis live, i.e. which KV view (nosa.kv)
 the layer reads through:
 - offloading off (default): SGLang's device pool [slots, Hkv, D] plus a cis buffer per layer kept
-  here, read in place (``nosa.serve.decode_step.PoolKV``); extend runs ``nosa_prefill`` over the
-  gathered context;
+  here, read in place (``nosa.serve.decode_step.PoolKV``); extend runs ``prefill_from_pool``:
+  nosa's prefill over the context gathered from the pool, its cis read from the cis buffer;
 - offloading on ($NOSA_OFFLOAD=1): SGLang's pool is the host pool, and the offloading engine
   (nosa.serve.offload.engine.OffloadEngine) resolves a decode layer through the device block cache
   and gives extend an ``OffloadKV`` (nosa.serve.offload.kv): ``NosaDecodeState.prefill`` reads only
@@ -46,7 +46,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from nosa.attention.prefill import nosa_prefill
+from nosa.attention.prefill import prefill_attention
 from nosa.decode import NosaDecodeState
 from nosa.serve.checkpoint import (
     load_eviction_heads,
@@ -56,11 +56,22 @@ from nosa.serve.checkpoint import (
 )
 from nosa.serve.decode_step import DecodeStep, PoolKV
 from nosa.serve.offload.settings import offload_enabled
+from nosa.serve.parallel import KVHeadShard
 from nosa.serve.states import RequestStates
 from nosa.serve.step import ForwardStep, captured
 from nosa.state_pool import DecodeStatePool, pages_for
 
 logger = logging.getLogger(__name__)
+
+
+def prefill_from_pool(q, k_buf, v_buf, cis_buf, slots, cfg, scale: float) -> torch.Tensor:
+    """The extend of one request (offloading off): its new rows q [n, Hq, D] over its whole context,
+    read from a token-slot pool: k_buf, v_buf [S, Hkv, D], cis_buf [S, Hkv] (the eviction scores
+    stored with each token when it was written, so no extend recomputes the context's), slots [L]
+    the context's slots, its new tokens last. Returns out [n, Hq, D], ``nosa_prefill``'s output.
+    Rows within dense_len attend densely without a selection (``prefill_attention``)."""
+    slots = slots.long()
+    return prefill_attention(q, k_buf[slots].to(q.dtype), v_buf[slots].to(q.dtype), cis_buf[slots], cfg, scale)
 
 
 class LayerIO(NamedTuple):
@@ -81,14 +92,15 @@ class NosaAttnBackend(AttentionBackend):
         model_config = model_runner.model_config
         text_config = model_config.hf_text_config
         self.num_layers = text_config.num_hidden_layers
-        self.num_kv_heads = text_config.num_key_value_heads
+        self.shard = KVHeadShard.of_process(text_config, model_runner.server_args)  # this TP rank's KV heads
+        self.num_kv_heads = self.shard.local
         self.head_dim = model_config.head_dim
 
         model_dir = resolve_model_dir(model_config.model_path, getattr(model_config, "revision", None))
         self.config, from_checkpoint = load_nosa_config(model_dir)
         if from_checkpoint:
             self.heads = load_eviction_heads(
-                model_dir, self.num_layers, self.num_kv_heads, self.head_dim, self.device
+                model_dir, self.num_layers, self.shard, self.head_dim, self.device
             )
         else:
             self.heads = zero_eviction_heads(self.num_layers, self.num_kv_heads, self.head_dim, self.device)
@@ -250,14 +262,11 @@ class NosaAttnBackend(AttentionBackend):
         return state
 
     def _prefill_from_pool(self, q, slots, layer) -> torch.Tensor:
-        """``nosa_prefill`` of one request's new rows q [n, Hq, D] over its whole context, gathered
-        from SGLang's device pool at ``slots`` [L] (offloading off)."""
+        """NOSA prefill of one request's new rows q [n, Hq, D] over its whole context in SGLang's
+        device pool at ``slots`` [L] (offloading off)."""
         pool, layer_id = self.token_to_kv_pool, layer.layer_id
-        slots = slots.long()
-        v_ctx = pool.get_value_buffer(layer_id)[slots].to(q.dtype)
-        out, _ = nosa_prefill(q, pool.get_key_buffer(layer_id)[slots].to(q.dtype), v_ctx,
-                              self.heads[layer_id](v_ctx), self.config, layer.scaling)
-        return out
+        return prefill_from_pool(q, pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id),
+                                 self.cis_pool[layer_id], slots, self.config, layer.scaling)
 
     def _store_new_tokens(self, k, v, layer, forward_batch, save_kv_cache) -> torch.Tensor:
         """K and V of the forward's new tokens into SGLang's pool (unless SGLang saved them), and
@@ -285,9 +294,8 @@ class NosaAttnBackend(AttentionBackend):
             raise NotImplementedError("nosa backend: sliding-window layers are not supported")
         if layer.tp_k_head_num != self.num_kv_heads:
             raise NotImplementedError(
-                f"nosa backend: KV heads are split across tensor-parallel ranks "
-                f"({layer.tp_k_head_num} of {self.num_kv_heads}); the eviction head reads all of a "
-                "token's value heads, so run with --tp-size 1"
+                f"nosa backend: layer {layer.layer_id} has {layer.tp_k_head_num} KV heads on this rank, the "
+                f"tensor-parallel layout {self.shard} gives it {self.num_kv_heads}"
             )
         if layer.qk_head_dim != self.head_dim:
             raise ValueError(f"nosa backend: layer head_dim {layer.qk_head_dim} != config {self.head_dim}")

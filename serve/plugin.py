@@ -2,15 +2,21 @@
 
 SGLang calls ``register`` in the launcher before argparse, in ``sglang.Engine`` and in every
 scheduler / detokenizer subprocess. It adds the "nosa" choice and a factory (torch, nosa's
-selection code and the backend are imported when SGLang builds the backend), and the request
-validation hooks of nosa.serve.validate, which apply whatever the attention backend.
+selection code and the backend are imported when SGLang builds the backend), the request
+validation hooks of nosa.serve.validate, which apply whatever the attention backend, SGLang's
+tensor-parallel start-up on CPU (nosa.serve.parallel), and the NOSA
+checkpoint format (nosa.checkpoint_format): its model types for transformers' AutoConfig, through
+which SGLang reads config.json, and its architectures for SGLang's model registry.
 """
 
 from __future__ import annotations
 
-from nosa.serve import cuda_graphs, validate
+from nosa.after_import import when_imported
+from nosa.checkpoint_format import MODEL_TYPES
+from nosa.serve import cuda_graphs, parallel, validate
 
 BACKEND_NAME = "nosa"
+_MODEL_REGISTRY = "sglang.srt.models.registry"
 
 
 def register() -> None:
@@ -24,7 +30,32 @@ def register() -> None:
     register_attention_backend(BACKEND_NAME)(create_nosa_backend)
     validate.install()
     cuda_graphs.install()  # CUDA: decode graphs on, prefill graphs off where nosa serves prefill, logged
+    parallel.install()  # CPU only: --tp-size N starts without PyNccl (SGLang asks for it regardless)
     _install_offload_hooks()
+    _register_checkpoint_format()
+
+
+def _register_checkpoint_format() -> None:
+    """NOSA checkpoints have model_type nosa_llama (nosa_qwen2, nosa_qwen3) and architecture
+    NosaLlamaForCausalLM (...). AutoConfig learns the model types now; SGLang's model registry
+    learns the architectures once it is imported (importing it loads every SGLang model, which only
+    the scheduler needs), served by SGLang's own Llama / Qwen2 / Qwen3 classes: the eviction heads
+    are the backend's (nosa.serve.checkpoint)."""
+    from nosa.hf_configs import register as register_configs
+
+    register_configs()
+    when_imported(_MODEL_REGISTRY, _add_architectures, quiet=_MODEL_REGISTRY)
+
+
+def _add_architectures() -> None:
+    from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+    from sglang.srt.models.registry import ModelRegistry
+
+    served_by = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+    for base, model_class in served_by.items():
+        ModelRegistry.models[MODEL_TYPES[base].architecture] = model_class
 
 
 _OFFLOAD_HOOKS = []

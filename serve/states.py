@@ -20,6 +20,7 @@ import threading
 import time
 
 from nosa.decode import NosaDecodeState
+from nosa.serve.parallel import rank_path
 
 ENV_STATS_FILE = "NOSA_SERVE_STATS_FILE"  # debug: the registry writes its counts here
 
@@ -35,7 +36,7 @@ class RequestStates:
         self._rows: dict[int, tuple[int, list[NosaDecodeState | None]]] = {}
         self._freed: dict[int, int] = {}  # row -> generation it was freed at
         self._lock = threading.Lock()  # free() may come from the scheduler while a forward runs
-        self._stats_file = os.environ.get(ENV_STATS_FILE)
+        self._stats_file = rank_path(os.environ.get(ENV_STATS_FILE))  # one file per TP rank / DP replica
         self.freed_total = 0
         self.offload = None  # the offloading engine, if any: release(row), counters()
         self._stats_written = 0.0  # time.monotonic() of write_stats' last write

@@ -6,6 +6,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nosa import EvictionHead, NosaConfig, NosaDecodeState, nosa_prefill, nosa_prefill_varlen
+from nosa.attention import paired as paired_module
+from nosa.attention.gathered import block_pools
+from nosa.attention.math import dense_attention
+from nosa.attention.paired import attend_pairs
+from nosa.attention.prefill import prefill_attention
 from nosa.kv import ContiguousKV, PagedKV
 
 
@@ -72,18 +77,18 @@ def brute_force_row(q, k, v, cis, blocks, t, cfg, scale):
     return out
 
 
-# inference paths: every chunk row by row (attend_gathered), whole chunks of shared + own keys,
-# every chunk over the union of its rows' blocks (gathered); the masked path (None)
-@pytest.mark.parametrize("rest_tokens, row_rest_tokens, union_limit", [(0, 0, 0), (200, 1 << 20, 0), (1 << 20, 0, 0),
-                                                                       (0, 0, 1000), (None, None, None)])
+# inference paths: the gathered path (each group's shared blocks, every row's others block by block,
+# nosa.attention.paired) with tiles of one pair, planned and computed a few at a time; with tiles
+# of a few pairs; with the defaults; the masked path (None)
+@pytest.mark.parametrize("tile, plan_pairs, slice_tiles", [(1, 7, 1), (3, 50, 2), (4, 1 << 16, 64), (None, None, None)])
 @pytest.mark.parametrize("dense_len", [0, 40])
-def test_sparse_prefill_matches_brute_force_over_its_selection(dense_len, rest_tokens, row_rest_tokens, union_limit,
+def test_sparse_prefill_matches_brute_force_over_its_selection(dense_len, tile, plan_pairs, slice_tiles,
                                                                monkeypatch):
-    if rest_tokens is not None:
+    if tile is not None:
         use_gathered_path(monkeypatch)
-        monkeypatch.setattr("nosa.attention.gathered.REST_TOKENS", rest_tokens)
-        monkeypatch.setattr("nosa.attention.gathered.ROW_REST_TOKENS", row_rest_tokens)
-        monkeypatch.setattr("nosa.attention.gathered.UNION_LIMIT", union_limit)
+        monkeypatch.setattr("nosa.attention.paired.TILE", tile)
+        monkeypatch.setattr("nosa.attention.paired.PLAN_PAIRS", plan_pairs)
+        monkeypatch.setattr("nosa.attention.paired.SLICE_TILES", slice_tiles)
     length, hq, hkv, d = 180, 4, 2, 8
     cfg = NosaConfig.tiny(dense_len=dense_len)
     q, k, v = make(length, hq, hkv, d, seed=3)
@@ -316,3 +321,63 @@ def test_selected_attention_gradients_equal_autograd_reference(rest_tokens, row_
     for name, a, b in zip("q k v cis".split(), got, want):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9, msg=name)
     assert sel.shape[-1] == 5 and cfg.num_blocks(length) == 13  # the budget is below the context
+
+
+@pytest.mark.parametrize("n", [200, 120, 30])  # a whole prefill, most of the context, its last rows
+def test_dense_attention_equals_masked_softmax(n):
+    """dense_attention's three routes (causal, causal over zero-padded rows, explicit mask) against
+    a float64 softmax over each row's keys up to its position."""
+    length, hq, hkv, d = 200, 6, 2, 8
+    q, k, v = make(length, hq, hkv, d, seed=11)
+    out = dense_attention(q[-n:], k, v, 0.3)
+    logits = torch.einsum("nhd,lhd->hnl", q[-n:].double(), k.double().repeat_interleave(hq // hkv, 1)) * 0.3
+    rows = torch.arange(length - n, length)
+    logits = logits.masked_fill(torch.arange(length)[None, None] > rows[None, :, None], float("-inf"))
+    want = torch.einsum("hnl,lhd->nhd", torch.softmax(logits, -1), v.double().repeat_interleave(hq // hkv, 1))
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dense_len, first", [(0, 0), (64, 0), (64, 150), (400, 100)])
+def test_prefill_attention_equals_nosa_prefill(dense_len, first):
+    """The serving extend's entry (no selections for the rows within dense_len) gives nosa_prefill's
+    output, for a whole prefill and for the last rows of a context."""
+    cfg = NosaConfig.tiny(dense_len=dense_len)
+    q, k, v = make(260, 4, 2, 8, seed=12)
+    _, cis = eviction_scores(v)
+    cis = cis.detach()
+    with torch.no_grad():
+        want, _ = nosa_prefill(q[first:], k, v, cis, cfg, 0.3)
+        out = prefill_attention(q[first:], k, v, cis, cfg, 0.3)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("a", [0.0, 0.6])  # eviction heads off (no bias) and on
+@pytest.mark.parametrize("first", [0, 203])  # every row, or rows from mid-block on
+def test_attend_pairs_window_path_equals_pairs_and_brute_force(a, first, monkeypatch):
+    """attend_pairs with the window path (the whole blocks before each row's current one, as one
+    fused call per query block over a view of the pools) equals the plain pairs and a float64 brute
+    force; small tiles, plans and slices so that blocks span several tiles and plans."""
+    monkeypatch.setattr("nosa.attention.paired.TILE", 3)
+    monkeypatch.setattr("nosa.attention.paired.PLAN_PAIRS", 400)
+    monkeypatch.setattr("nosa.attention.paired.SLICE_TILES", 5)
+    cfg = NosaConfig(block_size=8, compress_kernel=8, compress_stride=4, sink_blocks=1, window_blocks=4,
+                     topk_blocks=9, query_blocks=2, dense_len=0)
+    length, hq, hkv, d = 300, 4, 2, 8
+    q, k, v = make(length, hq, hkv, d, seed=13)
+    _, cis = eviction_scores(v, a=a)
+    cis = cis.detach()
+    _, sel = nosa_prefill(q, k, v, cis, cfg, 0.3)
+    windows = []
+    real = paired_module.attend_windows
+    monkeypatch.setattr(paired_module, "attend_windows", lambda *args: windows.append(args[2].numel()) or real(*args))
+    pools = block_pools(k, v, cis, torch.float32, cfg.block_size)
+    positions = torch.arange(first, length)
+    out, lse = attend_pairs(q[first:], pools, sel[first:], positions, cfg.block_size, 0.3, cfg.window_blocks)
+    assert sum(windows) > 0.8 * (length - first)  # most rows took the window path
+    plain, plain_lse = attend_pairs(q[first:], pools, sel[first:], positions, cfg.block_size, 0.3)
+    torch.testing.assert_close(out, plain, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, plain_lse, atol=1e-5, rtol=1e-5)
+    for t in range(first, length, 7):
+        blocks = [[b for b in sel[t, h].tolist() if b >= 0] for h in range(hkv)]
+        ref = brute_force_row(q, k, v, cis, blocks, t, cfg, 0.3)
+        torch.testing.assert_close(out[t - first].double(), ref, atol=2e-5, rtol=1e-4)

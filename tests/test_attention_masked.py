@@ -115,8 +115,8 @@ def test_dispatch_follows_the_context_against_the_budget(monkeypatch):
     cfg = NosaConfig.tiny()  # budget 8 blocks of 16 = 128 tokens
     assert use_masked(torch.arange(512), 2, cfg, training=True)
     assert not use_masked(torch.arange(4096), 2, cfg, training=True)
-    assert use_masked(torch.arange(300, 500), 2, cfg, training=False)
-    assert not use_masked(torch.arange(2000), 2, cfg, training=False)
+    assert use_masked(torch.arange(100, 140), 2, cfg, training=False)  # without gradients: up to 1.25 budgets
+    assert not use_masked(torch.arange(300, 500), 2, cfg, training=False)
     monkeypatch.setattr(masked, "MASKED_SAVE_ELEMENTS", 1000)
     assert not use_masked(torch.arange(512), 2, cfg, training=True)
     calls = []
@@ -125,7 +125,7 @@ def test_dispatch_follows_the_context_against_the_budget(monkeypatch):
     q, k, v, cis = make(300, 4, 2, 8, seed=0)
     nosa_prefill(q, k, v, cis, cfg, 0.35)
     nosa_prefill(q, k, v, cis.requires_grad_(), cfg, 0.35)
-    assert calls == ["masked", "gathered"]  # inference within 4 budgets; training over the saved-mask bound
+    assert calls == ["masked", "gathered"]  # inference within 1.25 budgets; training over the saved-mask bound
 
 
 @pytest.mark.parametrize("length", [1, 9, 16, 17, 40])

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from nosa.checkpoint_format import BY_NAME
 from nosa.config import NosaConfig
 from nosa.train.synthetic import TASKS
 
@@ -217,7 +218,8 @@ class TrainConfig:
 
 
 def check_model_path(path: str) -> str:
-    """The model_type of a local checkpoint; ValueError unless it is a supported causal LM."""
+    """The model_type of a local checkpoint; ValueError unless it is a supported causal LM (dense, or
+    NOSA: model_type nosa_llama and the like, or a legacy NOSA checkpoint)."""
     import json
 
     config_file = os.path.join(path, "config.json")
@@ -227,10 +229,11 @@ def check_model_path(path: str) -> str:
         data = json.load(f)
     kind = data.get("model_type")
     archs = data.get("architectures") or []
-    if kind not in SUPPORTED_MODEL_TYPES or (archs and not any(a.endswith("ForCausalLM") for a in archs)):
+    supported = kind in SUPPORTED_MODEL_TYPES or kind in BY_NAME
+    if not supported or (archs and not any(a.endswith("ForCausalLM") for a in archs)):
         raise ValueError(
             f"model.path={path!r} holds model_type={kind!r} architectures={archs}; nosa.train needs a "
-            f"causal LM of type {list(SUPPORTED_MODEL_TYPES)} (*ForCausalLM)"
+            f"causal LM of type {list(SUPPORTED_MODEL_TYPES)} or {list(BY_NAME)} (*ForCausalLM)"
         )
     return kind
 

@@ -32,9 +32,10 @@ from nosa.select import selection_mask
 # (the tiny training config, GQA 4/2), the gathered path took 3.3x the masked one's time at 2
 # budgets of keys per row, 2.1x at 4, 1.2x at 8 and 0.6x at 16.
 MASKED_KEYS_PER_BUDGET_TRAIN = 8.0
-# Without gradients (prefill past dense_len; released NosaConfig, GQA 8/2): gathered / masked was
-# 2.7x at 1.5 budgets (8K tokens), 2.7x at 2.5 (16K), 1.7x at 4.5 (32K) and 0.8x at 8.5 (64K).
-MASKED_KEYS_PER_BUDGET_INFER = 6.0
+# Without gradients (prefill past dense_len; released NosaConfig, GQA 8/2), against the gathered
+# path's block-by-block attention (nosa.attention.paired): gathered / masked was 1.0-1.1x at 1.1
+# budgets (5K tokens), 0.7-0.9x at 1.5 (8K), with A = 0 and A != 0.
+MASKED_KEYS_PER_BUDGET_INFER = 1.25
 # With gradients SDPA keeps each chunk's float mask for its backward, (KV heads x rows x keys)
 # elements in all: at most this many (128 MiB in float32, as the gathered path's SAVE_ELEMENTS),
 # else the gathered path, whose memory follows the budget rather than the context.

@@ -21,15 +21,27 @@ NEG_INF = float("-inf")  # the logit of a key to skip, and the lse of a row with
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal dense attention for the last n tokens (the dense_len path and a test yardstick).
-    q [n, Hq, D], k/v [L, Hkv, D] -> [n, Hq, D]."""
+    q [n, Hq, D], k/v [L, Hkv, D] -> [n, Hq, D].
+
+    SDPA's causal mode skips the keys after each row's block (half the work of a whole prefill),
+    but it aligns row 0 with key 0. So rows that are most of the context (n >= L / 2) run as a
+    whole causal prefill whose first L - n rows are zero queries, dropped after (L^2 / 2 work
+    instead of n * L); fewer rows, the new rows of a chunked prefill, take an explicit mask."""
     n, length = q.shape[0], k.shape[0]
     dt = compute_dtype(q)
-    positions = torch.arange(length - n, length, device=q.device)
-    causal = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
-    out = F.scaled_dot_product_attention(
-        q.to(dt).transpose(0, 1)[None], k.to(dt).transpose(0, 1)[None], v.to(dt).transpose(0, 1)[None],
-        attn_mask=causal, scale=scale, enable_gqa=True,
-    )
+
+    def heads_first(x):  # [T, H, D] -> [1, H, T, D]
+        return x.to(dt).transpose(0, 1)[None]
+
+    if 2 * n >= length:
+        rows = q if n == length else torch.cat([q.new_zeros(length - n, *q.shape[1:]), q])
+        out = F.scaled_dot_product_attention(heads_first(rows), heads_first(k), heads_first(v), is_causal=True,
+                                             scale=scale, enable_gqa=True)[..., length - n :, :]
+    else:
+        positions = torch.arange(length - n, length, device=q.device)
+        causal = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
+        out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), attn_mask=causal,
+                                             scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).to(q.dtype)
 
 
@@ -52,8 +64,8 @@ def attend_gathered(
     of exp(scale * q.k + bias) over the row's keys, so results over disjoint key sets merge exactly
     (``merge_attention``); a row with no key gets out 0 and lse -inf.
     One row at a time, so its gathered K/V stay in cache between gather and matmul: gathering every
-    row first measured about 3x slower on CPU. Inference prefill rows with many keys of their own
-    (nosa.attention.gathered) and decode (``nosa.decode``) use it.
+    row first measured about 3x slower on CPU. Decode (``nosa.decode``) uses it; prefill, many rows
+    per block, goes block by block instead (nosa.attention.paired).
     """
     n, hq, d = q.shape
     hkv = rows.shape[1]

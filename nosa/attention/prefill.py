@@ -2,14 +2,15 @@
 PyTorch, autograd). Layout as in nosa.attention.math: q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv];
 the n query rows are the last n tokens of the L-token context (n == L for a plain prefill).
 
-Every row gets its own selection (nosa.select) from the blocks up to its position (causal inside
-the current block), then attends over its selected blocks (``attend_selected``): the Triton kernel
-on CUDA (nosa.ops, imported only on that branch); on CPU masked dense SDPA
-(nosa.attention.masked) for short contexts, else gathers of each row's blocks
-(nosa.attention.gathered): the same math, measured crossover. Rows whose context has at most
-``dense_len`` tokens attend densely (plain causal softmax, no eviction weighting), so short prompts
-behave exactly like the dense model. Decode (one query per step, incremental state) is
-nosa.decode.NosaDecodeState.
+Every row gets its own selection (``prefill_selection``, nosa.select) from the blocks up to its
+position (causal inside the current block), then attends over its selected blocks
+(``attend_selected``): the Triton kernel on CUDA (nosa.ops, imported only on that branch); on CPU
+masked dense SDPA (nosa.attention.masked) for short contexts, else the gathered path
+(nosa.attention.gathered; without gradients block by block, nosa.attention.paired): the same
+math, measured crossover. Rows whose context has at most ``dense_len`` tokens attend densely
+(causal SDPA, no eviction weighting), so short prompts behave exactly like the dense model;
+``prefill_attention`` (serving) does not select them. Decode (one query per step, incremental
+state) is nosa.decode.NosaDecodeState.
 """
 
 from __future__ import annotations
@@ -43,12 +44,58 @@ def nosa_prefill(
     q: [n, Hq, D]; k, v: [L, Hkv, D]; cis: [L, Hkv] (eviction-head scores, differentiable).
     Returns (out [n, Hq, D], selection [n, Hkv, K] long, -1 padded).
 
-    Selection runs for many rows at once (bounded by SELECT_ELEMENTS); attention goes through
-    ``attend_selected``, whose gathered path works in groups of rows aligned to ``row_chunk``
-    positions (default: nosa.attention.gathered.default_row_chunk), so the work per row follows
-    the budget, not the context.
+    Every row is selected (``prefill_selection``; the rows within dense_len too, whose selections
+    callers track churn from); attention goes through ``attend_selected``, whose gathered path works
+    in groups of rows aligned to ``row_chunk`` positions (default:
+    nosa.attention.gathered.default_row_chunk), so the work per row follows the budget, not the
+    context.
     """
-    n, hq, d = q.shape
+    dense_rows = _dense_rows(q, k, cis, cfg)
+    selection = prefill_selection(q, k, cis, cfg, scale, row_chunk)
+    return _attend(q, k, v, cis, selection[dense_rows:], dense_rows, cfg, scale, row_chunk), selection
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cis: torch.Tensor, cfg: NosaConfig,
+                      scale: float) -> torch.Tensor:
+    """``nosa_prefill``'s output alone, for callers that drop the selection (the serving extend):
+    the rows within dense_len attend densely without being selected, so a prompt within dense_len
+    costs what dense causal attention costs. q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv] ->
+    out [n, Hq, D], equal to ``nosa_prefill(...)[0]``."""
+    dense_rows = _dense_rows(q, k, cis, cfg)
+    selection = prefill_selection(q[dense_rows:], k, cis, cfg, scale) if dense_rows < q.shape[0] else None
+    return _attend(q, k, v, cis, selection, dense_rows, cfg, scale, None)
+
+
+def prefill_selection(q: torch.Tensor, k: torch.Tensor, cis: torch.Tensor, cfg: NosaConfig, scale: float,
+                      row_chunk: int | None = None) -> torch.Tensor:
+    """The selection (nosa.select) of each of the last n tokens of a context: q [n, Hq, D], k [L, Hkv,
+    D], cis [L, Hkv] -> [n, Hkv, K] long, -1 padded. No gradient.
+
+    Rows go in chunks that each score only the windows their last row can see (the others would be
+    masked to probability 0), so the query-aware scores cost about half of rows x windows; a chunk
+    holds about SELECT_ELEMENTS logits and at least ``row_chunk`` rows."""
+    n, hq, _ = q.shape
+    length = k.shape[0]
+    first, num_blocks = length - n, cfg.num_blocks(length)
+    if row_chunk is None:
+        row_chunk = gathered.default_row_chunk(cfg)
+    sels = [torch.empty(0, k.shape[1], cfg.topk_blocks, dtype=torch.long, device=q.device)]
+    with torch.no_grad():
+        compressed_k = compress_windows(k.detach(), cfg)  # [C, Hkv, D]
+        evict = block_eviction_scores(cis, cfg, num_blocks)[None]  # [1, Hkv, NB, 2]
+        step = max(row_chunk, SELECT_ELEMENTS // max(1, hq * compressed_k.shape[0]))
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            positions = torch.arange(first + start, first + stop, device=q.device)
+            visible = compressed_k[: cfg.num_compressed(first + stop)]
+            scores = query_block_scores(q[start:stop].detach(), visible, positions, num_blocks, cfg, scale)
+            sels.append(select_blocks(scores, evict, positions, cfg))
+    return torch.cat(sels)
+
+
+def _dense_rows(q, k, cis, cfg: NosaConfig) -> int:
+    """Check the shapes of a prefill; the number of leading rows whose context fits in dense_len."""
+    n, hq, _ = q.shape
     length, hkv, _ = k.shape
     if n > length:
         raise ValueError(f"nosa_prefill: {n} query rows but only {length} key tokens")
@@ -56,33 +103,23 @@ def nosa_prefill(
         raise ValueError(f"nosa_prefill: Hq={hq} is not a multiple of Hkv={hkv}")
     if cis.shape != (length, hkv):
         raise ValueError(f"nosa_prefill: cis must be [L, Hkv] = [{length}, {hkv}], got {list(cis.shape)}")
-    if row_chunk is None:
-        row_chunk = gathered.default_row_chunk(cfg)
+    return min(n, max(0, cfg.dense_len - (length - n)))
+
+
+def _attend(q, k, v, cis, selection, dense_rows: int, cfg: NosaConfig, scale: float, row_chunk):
+    """The rows within dense_len densely, the others over ``selection`` [n - dense_rows, Hkv, K]
+    (None when every row is within dense_len)."""
+    n, length = q.shape[0], k.shape[0]
     first = length - n
-    num_blocks = cfg.num_blocks(length)
-    dense_rows = min(n, max(0, cfg.dense_len - first))  # rows whose context fits in dense_len
-    outs, sels = [], []
+    outs = []
     if dense_rows:
         outs.append(dense_attention(q[:dense_rows], k[: first + dense_rows], v[: first + dense_rows], scale))
-    with torch.no_grad():
-        compressed_k = compress_windows(k.detach(), cfg)  # [C, Hkv, D]
-        evict = block_eviction_scores(cis, cfg, num_blocks)[None]  # [1, Hkv, NB, 2]
-        # selections of every row (the dense rows' too: callers track churn from them), in chunks
-        # of rows that each score only the windows their last row can see (the others would be
-        # masked to probability 0), so the query-aware scores cost about half of rows x windows
-        step = max(row_chunk, SELECT_ELEMENTS // max(1, hq * compressed_k.shape[0]))
-        for start in range(0, n, step):
-            stop = min(start + step, n)
-            positions = torch.arange(first + start, first + stop, device=q.device)
-            visible = compressed_k[: cfg.num_compressed(first + stop)]
-            qs = query_block_scores(q[start:stop].detach(), visible, positions, num_blocks, cfg, scale)
-            sels.append(select_blocks(qs, evict, positions, cfg))
-    selection = torch.cat(sels)
     if dense_rows < n:
         positions = torch.arange(first + dense_rows, length, device=q.device)
-        outs.append(attend_selected(q[dense_rows:], k, v, cis, selection[dense_rows:], positions, cfg, scale,
-                                    row_chunk=row_chunk))
-    return torch.cat(outs), selection
+        outs.append(attend_selected(q[dense_rows:], k, v, cis, selection, positions, cfg, scale, row_chunk=row_chunk))
+    if not outs:
+        return q.new_zeros(0, q.shape[1], v.shape[-1])
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def attend_selected(q, k, v, cis, sel, positions, cfg: NosaConfig, scale: float, row_chunk: int | None = None):

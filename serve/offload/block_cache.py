@@ -443,8 +443,10 @@ class DeviceBlockCache:
         src = torch.where(slot_item.flatten() >= 0, torch.arange(dst.numel(), device=dst.device), -1)
         dst_k, dst_v, dst_c = (t.view(-1, t.shape[-1]) if t.dim() == 3 else t.view(-1, 1)
                                for t in (self.k[layer], self.v[layer], self.cis[layer]))
+        # contiguous: with one KV head (per TP rank) the reshape is still a strided view of SGLang's qkv
         ops.copy_items([dst_k, dst_v, dst_c],
-                       [k_new.reshape(dst.numel(), -1).to(dst_k.dtype), v_new.reshape(dst.numel(), -1).to(dst_v.dtype),
+                       [k_new.reshape(dst.numel(), -1).to(dst_k.dtype).contiguous(),
+                        v_new.reshape(dst.numel(), -1).to(dst_v.dtype).contiguous(),
                         cis_new.reshape(-1, 1).float()], dst, src)
 
     def _count(self, layer, groups, wanted, hit, miss, prefetch_hit, warm, real) -> None:

@@ -75,9 +75,11 @@ class HostKVPool(MHATokenToKVPool):
         k_items, v_items, _ = self.items(layer_id)
         rows = self.token_rows(loc).flatten()
         src = torch.arange(rows.numel(), device=rows.device)
+        # contiguous: with one KV head (per TP rank) the reshape is still a strided view of SGLang's qkv
         ops.copy_items(
             [k_items.view(-1, self.head_dim), v_items.view(-1, self.v_head_dim)],
-            [cache_k.to(self.dtype).reshape(-1, self.head_dim), cache_v.to(self.dtype).reshape(-1, self.v_head_dim)],
+            [cache_k.to(self.dtype).reshape(-1, self.head_dim).contiguous(),
+             cache_v.to(self.dtype).reshape(-1, self.v_head_dim).contiguous()],
             rows.to(k_items.device), src.to(cache_k.device),
         )
 
@@ -155,5 +157,6 @@ def verify(model_runner, settings: OffloadSettings, cfg) -> None:
             f"nosa offloading: SGLang may run {max_reqs} requests at once but the device budget holds "
             f"{settings.max_requests(cfg)}; the hook {_CONFIGURATOR}.resolve_max_num_reqs did not take effect"
         )
-    logger.info("nosa offloading: host pool %d tokens (%d pages), device budget %d tokens = %d requests",
-                pool.size, pool.num_pages, settings.device_tokens, settings.max_requests(cfg))
+    # per process: with tensor parallelism every rank holds these tokens for its own KV heads only
+    logger.info("nosa offloading: host pool %d tokens x %d KV heads (%d pages), device budget %d tokens = %d requests",
+                pool.size, pool.head_num, pool.num_pages, settings.device_tokens, settings.max_requests(cfg))

@@ -18,6 +18,20 @@ import urllib.request
 from nosa.net import free_port
 
 
+def cpu_binding(ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for ``ranks`` CPU ranks (TP x DP): the usable cores split into
+    contiguous ranges, one per rank ("0|1" on 2 cores; ranks share a core when there are fewer
+    cores). SGLang requires it when ranks outnumber NUMA nodes; its threads are pinned to the
+    ranges only by the Intel CPU build of sgl-kernel."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // ranks)
+    ranges = []
+    for rank in range(ranks):
+        first = (rank * share) % len(cores)
+        ranges.append(str(cores[first]) if share == 1 else f"{cores[first]}-{cores[first + share - 1]}")
+    return "|".join(ranges)
+
+
 class ServerProcess:
     """``python -m sglang.launch_server`` on 127.0.0.1; ``start()`` returns once /health answers."""
 

@@ -51,21 +51,20 @@ def make_tokenizer(path: str) -> None:
     fast.save_pretrained(path)
 
 
-def make_checkpoint(path: str, nosa_config=None, seed: int = 0, evict_scale: float = 0.0) -> str:
-    """A 2-layer Llama (hidden 128, GQA 4/2, head_dim 32). With ``nosa_config`` the model is
-    converted by nosa.convert and its eviction heads get random weights and A = ``evict_scale``,
-    so the checkpoint carries a ``nosa`` section and non-zero eviction heads."""
+def make_checkpoint(path: str, nosa_config=None, seed: int = 0, evict_scale: float = 0.0, kv_heads: int = 2) -> str:
+    """A 2-layer Llama (hidden 128, 4 query heads over ``kv_heads`` KV heads, head_dim 32). With
+    ``nosa_config`` the model is converted by nosa.convert and its eviction heads get random weights
+    and A = ``evict_scale``, so the checkpoint carries a ``nosa`` section and non-zero eviction heads."""
     import nosa
     from nosa.tiny import set_eviction_heads, tiny_llama
 
     # larger weights (init_std) so greedy ties are unlikely
-    model = tiny_llama(layers=2, hidden=HIDDEN, heads=4, kv_heads=2, vocab=VOCAB, seed=seed, intermediate=256,
+    model = tiny_llama(layers=2, hidden=HIDDEN, heads=4, kv_heads=kv_heads, vocab=VOCAB, seed=seed, intermediate=256,
                        max_positions=4096, rope_theta=10000.0, bos_token_id=256, eos_token_id=257,
                        tie_word_embeddings=False, init_std=0.08)
     if nosa_config is not None:
         nosa.convert(model, nosa_config)
         set_eviction_heads(model, scale=evict_scale, std=0.3, seed=seed, bias_std=0.3)
-        model.config._attn_implementation = "sdpa"  # keep config.json loadable without nosa
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     make_tokenizer(path)

@@ -10,6 +10,7 @@ import torch
 
 import nosa
 from nosa.serve.checkpoint import load_eviction_heads, load_nosa_config
+from nosa.serve.parallel import KVHeadShard
 from nosa.serve.tools import tiny_checkpoint as tiny
 
 CFG = nosa.NosaConfig.tiny(dense_len=64)
@@ -20,16 +21,32 @@ def nosa_ckpt(tmp_path_factory):
     return tiny.make_checkpoint(str(tmp_path_factory.mktemp("nosa")), CFG, evict_scale=0.7)
 
 
-def test_config_and_heads_match_hf(nosa_ckpt):
-    cfg, from_ckpt = load_nosa_config(nosa_ckpt)
+@pytest.mark.parametrize("form", ["nosa", "legacy"])
+def test_config_and_heads_match_hf(nosa_ckpt, legacy_copy, tmp_path, form):
+    """Both checkpoint formats (nosa.checkpoint_format) give the backend the same NosaConfig and heads."""
+    ckpt = nosa_ckpt if form == "nosa" else legacy_copy(nosa_ckpt, tmp_path / "legacy")
+    with open(os.path.join(ckpt, "config.json")) as f:
+        assert json.load(f)["model_type"] == {"nosa": "nosa_llama", "legacy": "llama"}[form]
+    cfg, from_ckpt = load_nosa_config(ckpt)
     assert from_ckpt and cfg == CFG
-    heads = load_eviction_heads(nosa_ckpt, num_layers=2, num_kv_heads=2, head_dim=32, device="cpu")
+    heads = load_eviction_heads(ckpt, num_layers=2, kv_heads=KVHeadShard(2, 2), head_dim=32, device="cpu")
     model = nosa.from_pretrained(nosa_ckpt, torch_dtype=torch.float32)
     v = torch.randn(5, 2, 32)
     for layer, head in zip(model.model.layers, heads):
         expected = layer.self_attn.nosa_evict(v)
         assert torch.equal(head(v), expected)
         assert expected.abs().sum() > 0  # non-zero eviction heads
+
+
+def test_tensor_parallel_ranks_get_heads_for_their_kv_heads(nosa_ckpt):
+    """2 real KV heads padded to 4 over 2 ranks (SGLang's CPU layout): rank 0 holds both real heads
+    and computes TP 1's cis alone, rank 1 holds padding heads only (cis 0); no rank needs another."""
+    model = nosa.from_pretrained(nosa_ckpt, torch_dtype=torch.float32)
+    v = torch.randn(5, 2, 32)
+    ranks = [load_eviction_heads(nosa_ckpt, 2, KVHeadShard(4, 2, r, 2), head_dim=32, device="cpu") for r in (0, 1)]
+    for layer, head0, head1 in zip(model.model.layers, *ranks):
+        assert torch.equal(head0(v), layer.self_attn.nosa_evict(v))
+        assert torch.equal(head1(torch.zeros(5, 2, 32)), torch.zeros(5, 2))
 
 
 def test_malformed_section_is_a_clear_error(nosa_ckpt, tmp_path):
@@ -45,11 +62,15 @@ def test_malformed_section_is_a_clear_error(nosa_ckpt, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unknown field"):
         load_nosa_config(str(bad))
+    del config["nosa"]  # a NOSA model type is never served as a dense checkpoint
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="model_type 'nosa_llama' but no 'nosa' section"):
+        load_nosa_config(str(bad))
 
 
 def test_missing_eviction_head_is_a_clear_error(nosa_ckpt):
     with pytest.raises(ValueError, match=r"layers\.2\.self_attn\.nosa_evict"):
-        load_eviction_heads(nosa_ckpt, num_layers=3, num_kv_heads=2, head_dim=32, device="cpu")
+        load_eviction_heads(nosa_ckpt, num_layers=3, kv_heads=KVHeadShard(2, 2), head_dim=32, device="cpu")
 
 
 def test_dense_checkpoint_config_from_env(tmp_path, monkeypatch):

@@ -5,6 +5,8 @@ otherwise keeps a core busy):
 - ``nosa``: NOSA checkpoint (random non-zero eviction heads, tiny NosaConfig with dense_len 64),
   chunked prefill of 128 tokens, radix cache on, context length 1024;
 - ``native``: the same checkpoint with --attention-backend torch_native;
+- ``legacy``: the NOSA checkpoint in the legacy format (model_type llama with a 'nosa' section;
+  ``nosa`` serves the NOSA format: model_type nosa_llama, architecture NosaLlamaForCausalLM);
 - ``dense``: a dense checkpoint, NosaConfig from $NOSA_CONFIG, page size 4;
 - ``decode_only``: the NOSA checkpoint with --prefill-attention-backend torch_native
   --decode-attention-backend nosa (decode states built from a pool nosa never wrote);
@@ -43,12 +45,17 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
+def ckpts(tmp_path_factory, legacy_copy):
     root = tmp_path_factory.mktemp("ckpt")
-    return {
+    out = {
         "nosa": tiny.make_checkpoint(str(root / "nosa"), NOSA_CFG, seed=0, evict_scale=1.0),
         "dense": tiny.make_checkpoint(str(root / "dense"), None, seed=1),
     }
+    out["legacy"] = legacy_copy(out["nosa"], root / "legacy")
+    for name, model_type in (("nosa", "nosa_llama"), ("legacy", "llama")):
+        with open(os.path.join(out[name], "config.json")) as f:
+            assert json.load(f)["model_type"] == model_type
+    return out
 
 
 def _malformed_copy(ckpt: str, dest) -> str:
@@ -75,6 +82,7 @@ def servers(ckpts, tmp_path_factory):
                               str(logs / "nosa.log"), env={"NOSA_SERVE_STATS_FILE": stats}),
         "native": ServerProcess(ckpts["nosa"], ["--attention-backend", "torch_native", *COMMON],
                                 str(logs / "native.log")),
+        "legacy": ServerProcess(ckpts["legacy"], ["--attention-backend", "nosa", *COMMON], str(logs / "legacy.log")),
         "dense": ServerProcess(ckpts["dense"], ["--attention-backend", "nosa", "--page-size", "4", *COMMON],
                                str(logs / "dense.log"), env={"NOSA_CONFIG": NOSA_CFG.to_json()}),
         "decode_only": ServerProcess(ckpts["nosa"], ["--prefill-attention-backend", "torch_native",
@@ -108,14 +116,14 @@ def test_short_prompts_match_torch_native(servers):
         assert servers["nosa"].generate(prompt, new) == servers["native"].generate(prompt, new)
 
 
-@pytest.mark.parametrize("name", ["nosa", "dense"])
+@pytest.mark.parametrize("name", ["nosa", "legacy", "dense"])
 def test_long_prompts_match_hf(servers, hf_models, name):
     """Budget well below the context: the same blocks as the HF model (train == serve)."""
     differs_from_dense = False
     for length, seed in LONG:
         prompt = tiny.prompt_ids(length, seed)
         served = servers[name].generate(prompt, NEW)
-        assert served == tiny.hf_greedy(hf_models[name], prompt, NEW), f"prompt length {length}"
+        assert served == tiny.hf_greedy(hf_models[name.replace("legacy", "nosa")], prompt, NEW), f"length {length}"
         if name == "nosa":
             differs_from_dense |= served != servers["native"].generate(prompt, NEW)
     if name == "nosa":  # otherwise the test could not tell sparse from dense attention

@@ -58,10 +58,12 @@ def test_finite_loss_and_checkpoints(first):
     assert os.path.realpath(os.path.join(cfg.out_dir, "nosa")).endswith("step-000003")
     final = os.path.join(cfg.out_dir, "checkpoints", "step-000003")
     with open(os.path.join(final, "config.json")) as f:
-        assert json.load(f)["nosa"] == cfg.nosa_config.to_dict()
+        saved = json.load(f)
+    assert saved["nosa"] == cfg.nosa_config.to_dict() and saved["model_type"] == "nosa_llama"  # the NOSA format
     with open(os.path.join(cfg.out_dir, "dense", "config.json")) as f:
-        assert "nosa" not in json.load(f)
-    for name in ("nosa_train.json", "trainer_state.json", "tokenizer.json", "model.safetensors"):
+        dense = json.load(f)
+    assert "nosa" not in dense and dense["model_type"] == "llama"
+    for name in ("nosa_train.json", "trainer_state.json", "tokenizer.json", "model.safetensors", "modeling_nosa.py"):
         assert os.path.isfile(os.path.join(final, name)), name
     assert checkpoint.read_state(final) == {"step": 3, "tokens": 3 * 512, "phase": "nosa"}  # smoke: 2 x 256 tokens
     assert checkpoint.read_run_config(final) == cfg.to_dict()
@@ -74,16 +76,18 @@ def test_checkpoint_reloads_identical_logits(first):
     path = os.path.join(cfg.out_dir, "checkpoints", "step-000003")
     model = result["model"].eval()
     loaded = nosa.from_pretrained(path).eval()  # the loader the serving backend uses
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from nosa.hf import nosa_config_of
 
     assert nosa_config_of(AutoConfig.from_pretrained(path)) == cfg.nosa_config
     ids = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+    plain = AutoModelForCausalLM.from_pretrained(path).eval()  # a NOSA model too: nosa registered its model types
+    assert type(plain).__name__ == "NosaLlamaForCausalLM"
     with torch.no_grad():
         want = model(input_ids=ids).logits
         got = loaded(input_ids=ids).logits
-    assert torch.equal(want, got)
+        assert torch.equal(want, got) and torch.equal(want, plain(input_ids=ids).logits)
     evict = [n for n, _ in loaded.named_parameters() if "nosa_evict" in n]
     assert evict and any(p.abs().sum() > 0 for n, p in loaded.named_parameters() if n.endswith("nosa_evict.scale"))
 

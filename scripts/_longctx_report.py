@@ -1,0 +1,158 @@
+"""Results of scripts/bench_longctx.py: per-variant summaries (JSON), markdown tables and the plot."""
+
+from __future__ import annotations
+
+import math
+import os
+
+
+def wilson(right: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval (95% by default) of a share of right answers."""
+    if n == 0:
+        return 0.0, 1.0
+    p = right / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def share(right: int, n: int) -> dict:
+    lo, hi = wilson(right, n)
+    return {"right": right, "n": n, "acc": right / n if n else 0.0, "lo": lo, "hi": hi}
+
+
+def summarise(args, counts, variants, records, perplexity, seconds, budget_config, env, seconds_total) -> dict:
+    """The report written to --out: configuration, one result per (variant, length), perplexity and
+    every example's replies."""
+    results = []
+    for length in counts:
+        at = [r for r in records if r["length"] == length]
+        for v in variants:
+            done = [r for r in at if v.name in r["right"]]
+            tasks = {t: share(sum(r["right"][v.name] for r in done if r["task"] == t),
+                              sum(1 for r in done if r["task"] == t)) for t in args.tasks}
+            row = {"variant": v.name, "length": length, "share": v.share,
+                   "tasks": tasks, "all": share(sum(r["right"][v.name] for r in done), len(done)),
+                   "task_mean": sum(t["acc"] for t in tasks.values()) / len(tasks),
+                   "seconds": round(seconds.get((v.name, length), 0.0), 1)}
+            if v.share is not None:
+                cfg = budget_config(length, v.share)
+                sel = [r["select"][v.name] for r in done if v.name in r["select"]]
+                total = {k: sum(s[k] for s in sel) for k in ("entering", "transitions", "selected", "mass", "layers")}
+                row.update(
+                    nosa_config=cfg.to_dict(), budget_blocks=cfg.topk_blocks, context_blocks=cfg.num_blocks(length),
+                    entering_mean=total["entering"] / max(1, total["transitions"]),
+                    entering_max=max((s["entering_max"] for s in sel), default=0),
+                    hit_rate=1 - total["entering"] / max(1, total["selected"]),
+                    mass=total["mass"] / max(1, total["layers"]),
+                )
+            results.append(row)
+    dense_nll = next((p["nll"] for p in perplexity if p["share"] is None), None)
+    for p in perplexity:
+        p["ppl"] = math.exp(p["nll"])
+        p["ratio_to_dense"] = math.exp(p["nll"] - dense_nll) if dense_nll is not None else None
+    return {
+        "model": args.model,
+        "model_source": _source(args.model),
+        "prefill": args.prefill,
+        "lengths": list(counts),
+        "examples_per_task": {str(k): v for k, v in counts.items()},
+        "tasks": list(args.tasks),
+        "shares": list(args.shares),
+        "seed": args.seed,
+        "scoring": "exact match of every reference inside the normalised greedy reply (nosa.train.ruler.is_right)",
+        "spread": "Wilson 95% interval of each share of right answers",
+        "decode_steps": "the last prompt row, then each generated token; per layer and KV head",
+        "context_prefill_seconds": {str(n): round(s, 1) for (name, n), s in seconds.items()
+                                    if name == "context prefill"},
+        "results": results,
+        "perplexity": perplexity,
+        "examples": records,
+        "env": env,
+        "seconds": round(seconds_total, 1),
+    }
+
+
+def _source(model: str) -> dict | None:
+    import json
+
+    path = os.path.join(model, "nosa_source.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _pct(s: dict) -> str:
+    return f"{s['right']}/{s['n']} [{s['lo']:.0%}, {s['hi']:.0%}]"
+
+
+def tables(report: dict) -> str:
+    """Markdown: accuracy per task and length (right/n [Wilson 95%]); selection statistics and time
+    per variant and length; perplexity."""
+    results = report["results"]
+    names = list(dict.fromkeys(r["variant"] for r in results))
+    get = {(r["variant"], r["length"]): r for r in results}
+    out = ["| context | task | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for n in report["lengths"]:
+        for task in report["tasks"]:
+            out.append(f"| {n} | {task} | " + " | ".join(_pct(get[(v, n)]["tasks"][task]) for v in names) + " |")
+        out.append(f"| {n} | **all** | " + " | ".join(f"**{_pct(get[(v, n)]['all'])}**" for v in names) + " |")
+    out += ["", "| context | variant | budget | accuracy, all tasks | blocks entering per step, mean (max) "
+            "| hit rate, cache = budget | dense mass in selection | seconds |", "|---|---|---|---|---|---|---|---|"]
+    for n in report["lengths"]:
+        for v in names:
+            r = get[(v, n)]
+            if r["share"] is None:
+                out.append(f"| {n} | {v} | all | {r['all']['acc']:.1%} | - | - | - | {r['seconds']:.0f} |")
+            else:
+                out.append(f"| {n} | {v} | {r['budget_blocks']} of {r['context_blocks']} | {r['all']['acc']:.1%} | "
+                           f"{r['entering_mean']:.2f} ({r['entering_max']}) | {r['hit_rate']:.1%} | {r['mass']:.3f} "
+                           f"| {r['seconds']:.0f} |")
+    if report["perplexity"]:
+        p0 = report["perplexity"][0]
+        out += ["", f"| perplexity, last {p0['tokens'] // p0['windows']} tokens of {p0['windows']} held-out "
+                f"window(s) of {p0['length']} | ppl | / dense |", "|---|---|---|"]
+        for p in report["perplexity"]:
+            out.append(f"| {p['variant']} | {p['ppl']:.3f} | {p['ratio_to_dense']:.4f} |")
+    return "\n".join(out)
+
+
+def plot(report: dict, path: str) -> None:
+    """Three panels per length: accuracy over all tasks (Wilson 95% whiskers), blocks entering per
+    decode step, and the hit rate of a device cache of exactly the budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    names = list(dict.fromkeys(r["variant"] for r in results))
+    sparse = [v for v in names if any(r["variant"] == v and r["share"] is not None for r in results)]
+    lengths = report["lengths"]
+    get = {(r["variant"], r["length"]): r for r in results}
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    panels = [(axes[0], names, "accuracy, all tasks (%)", lambda r: 100 * r["all"]["acc"]),
+              (axes[1], sparse, "blocks entering per decode step", lambda r: r["entering_mean"]),
+              (axes[2], sparse, "hit rate, device cache = budget (%)", lambda r: 100 * r["hit_rate"])]
+    for ax, variants, title, value in panels:
+        width = 0.8 / max(1, len(variants))
+        for i, v in enumerate(variants):
+            rows = [get[(v, n)] for n in lengths]
+            xs = [j + i * width for j in range(len(lengths))]
+            heights = [value(r) for r in rows]
+            err = None
+            if ax is axes[0]:
+                err = [[h - 100 * r["all"]["lo"] for h, r in zip(heights, rows)],
+                       [100 * r["all"]["hi"] - h for h, r in zip(heights, rows)]]
+            ax.bar(xs, heights, width, yerr=err, capsize=3, label=v, color=f"C{names.index(v)}")  # same in every panel
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))], [str(n) for n in lengths])
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7, loc="lower left")
+    source = report.get("model_source") or {}
+    fig.suptitle(f"{source.get('name', report['model'])} ({source.get('quantization', '?')} dequantized), "
+                 f"{report['prefill']} context prefill; whiskers: Wilson 95%", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)

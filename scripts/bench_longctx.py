@@ -1,0 +1,403 @@
+"""Long-context suite for a real pretrained model (RULER-style, generated here): dense vs training-free
+selection (A = 0) at 1/4 and 1/8 of the blocks vs NOSA checkpoints, side by side on the same examples.
+
+    python -m nosa.models smollm2 --out models/smollm2-135m               # once: the model
+    python scripts/bench_longctx.py --quick                               # 4 examples per task at 2K
+    python scripts/bench_longctx.py --plot results/longctx.png            # 2K, 4K, 8K
+    python scripts/bench_longctx.py --nosa fitted=runs/smollm2/nosa       # + NOSA checkpoints (LABEL=PATH)
+
+Examples: nosa.train.ruler's tasks (passkey, single / multi-key / multi-value needles, variable
+tracking, a question answered by one sentence) over held-out prose from nosa.train.prose (only the
+sources every CPython ships, so the examples are the same on any install of one Python version).
+Each example is one chat turn through the model's template; the reply is greedy and scored by
+exact match of the answer inside it (nosa.train.ruler.is_right says how text is normalised).
+Decoding stops at the end of the turn, at the task's token limit, or as soon as the reply is right
+whatever follows (nosa.train.ruler.is_settled), which saves decode steps and changes no score.
+Spread: the Wilson 95% interval of each share of right answers.
+
+Variants: ``dense``; ``A = 0`` (the dense weights converted with every eviction head off: the
+training-free, query-aware selection of InfLLM-v2); each ``--nosa`` checkpoint (its weights and
+eviction heads). Every sparse variant runs at the suite's NosaConfig for the length and the budget
+share (``budget_config``: blocks of 32 tokens, so 8K = 256 blocks; budget = 1/4 or 1/8 of the
+context's blocks, split like the released NOSA's 64 = 1 sink + 17 window + 15 picks + 31 ranked
+by the eviction heads; dense_len 0).
+
+Prefill (``--prefill``):
+- ``dense`` (default): the context part of a prompt (template, instruction, haystack) is prefilled
+  once with dense attention and every variant continues from that KV cache: the question rows and
+  every decode step attend with the variant's own attention. The question never sees the haystack
+  densely, so the answer has to come through the selection; one dense prefill serves all variants
+  (a checkpoint with other base weights gets its own).
+- ``sparse``: every variant prefills the whole prompt with its own attention, as a server with
+  dense_len 0 does (sparse prefill is about twice a dense one on CPU, per variant).
+
+Per variant and length, over the decode steps (the last prompt row, then each generated token; per
+layer and KV head; nosa_prefill's row t selects as decode step t does): blocks entering the
+selection per step (what a device cache must recall), the hit rate of a device cache of exactly
+the budget (selected blocks that were selected at the previous step too) and the share of the dense
+attention mass inside the selection. Perplexity: the last 1K tokens of held-out prose windows of the
+longest length (the first tokens are the context, prefilled as ``--prefill`` says).
+
+Dense replies and perplexities are cached under ``--cache`` (keyed by the checkpoint's weights and
+the example's content), so a run that adds a NOSA checkpoint does not decode dense again. Writes
+JSON (``--out``), a markdown table (stdout) and, with ``--plot``, a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+BLOCK = 32  # tokens per block: 8K = 256 blocks
+RELEASED = (64, 17, 15)  # the released NOSA budget, window and picks, in blocks
+PPL_TAIL = 1024  # perplexity: tokens scored at the end of each window (half the window if shorter)
+
+
+def budget_config(length: int, share: int):
+    """The NosaConfig of the suite at ``length`` tokens and a budget of 1/``share`` of its blocks:
+    1 sink block, window and free picks in the released proportions (17/64 and 15/64 of the budget,
+    rounded half up; a window of at least 2 blocks, so compressed windows end inside it), the rest
+    ranked by the eviction heads. 8K at 1/4 is the released structure: 64 = 1 + 17 + 15 + 31."""
+    from nosa.config import NosaConfig
+
+    budget = length // BLOCK // share
+    window = max(2, int(budget * RELEASED[1] / RELEASED[0] + 0.5))
+    picks = int(budget * RELEASED[2] / RELEASED[0] + 0.5)
+    return NosaConfig(block_size=BLOCK, compress_kernel=BLOCK, compress_stride=BLOCK // 2, sink_blocks=1,
+                      window_blocks=window, topk_blocks=budget, query_blocks=picks, dense_len=0)
+
+
+@dataclass
+class Variant:
+    name: str  # "dense", "A = 0, 1/4", "<label>, 1/8"
+    model: object  # transformers model; dense and A = 0 variants share one
+    share: int | None  # budget = 1/share of the context's blocks; None: dense attention
+    base: str  # variants with one base share the dense context prefill
+
+    def prepare(self, length: int):
+        """Set the model's attention for this variant at ``length``; returns its NosaConfig (None: dense)."""
+        import nosa
+
+        if self.share is None:
+            self.model.set_attn_implementation("sdpa")
+            return None
+        cfg = budget_config(length, self.share)
+        nosa.convert(self.model, cfg)  # keeps the model's eviction heads, sets the budget
+        return cfg  # (every run starts with a prefill of several rows, which drops old decode states)
+
+
+def file_digest(folder: str) -> str:
+    """sha256 over a checkpoint's config.json and weight files: the key of its cached results."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name == "config.json" or name.endswith(".safetensors"):
+            with open(os.path.join(folder, name), "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    digest.update(chunk)
+    return digest.hexdigest()
+
+
+def same_base(a, b) -> bool:
+    """Whether two models have equal weights apart from the eviction heads."""
+    from nosa.eviction import MODULE_NAME
+
+    sa = {k: v for k, v in a.state_dict().items() if f".{MODULE_NAME}." not in k}
+    sb = {k: v for k, v in b.state_dict().items() if f".{MODULE_NAME}." not in k}
+    return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape and sa[k].equal(sb[k]) for k in sa)
+
+
+class DenseCache:
+    """Dense results by (checkpoint digest, content key), in one JSON file per checkpoint."""
+
+    def __init__(self, folder: str | None, model_digest: str):
+        self.path = os.path.join(folder, f"dense-{model_digest[:16]}.json") if folder else None
+        self.data = {}
+        if self.path and os.path.isfile(self.path):
+            with open(self.path) as f:
+                self.data = json.load(f)
+
+    def get(self, key: str):
+        return self.data.get(key)
+
+    def put(self, key: str, value) -> None:
+        self.data[key] = value
+        if self.path:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path + ".tmp", "w") as f:
+                json.dump(self.data, f)
+            os.replace(self.path + ".tmp", self.path)
+
+
+def context_kv(model, ids):
+    """Dense prefill of ids [T] with ``model``: per-layer (keys, values) of its KV cache."""
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
+    return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+
+
+def cache_from(model, kv):
+    """A new transformers DynamicCache holding ``kv`` (None: empty); ``kv`` stays untouched."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(kv or []):
+        cache.update(k, v, i)
+    return cache
+
+
+def run_variant(variant: Variant, length: int, ex, kv, eos: int, settled) -> dict:
+    """Greedy reply of one variant to one example, continuing from the context KV ``kv`` (None:
+    prefill the whole prompt), and the selection statistics of its decode steps (sparse variants).
+    Decoding stops at ``eos``, after ``ex.max_new_tokens`` tokens, or once ``settled(tokens)``
+    (the reply is right whatever follows: more tokens cannot change its score)."""
+    import torch
+
+    from nosa.hf import capture_attention_inputs
+
+    cfg = variant.prepare(length)
+    start = ex.context_end if kv is not None else 0
+    cache = cache_from(variant.model, kv)
+    ids = torch.tensor(ex.prompt_ids[start:])[None]
+    rows: dict[str, list] = {}
+    tokens = []
+    with torch.no_grad(), capture_attention_inputs(variant.model) if cfg else contextlib.nullcontext() as captured:
+        out = variant.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        while True:
+            for name, (q, _, _) in (captured or {}).items():
+                rows.setdefault(name, []).append(q[-1:])
+            tokens.append(int(out.logits[0, -1].argmax()))
+            if tokens[-1] == eos or len(tokens) == ex.max_new_tokens or settled(tokens):
+                break
+            out = variant.model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+        final = dict(captured or {})
+    result = {"tokens": tokens}
+    if cfg is not None:
+        result["select"] = decode_selection_stats(variant.model, rows, final, cfg)
+    return result
+
+
+def decode_selection_stats(model, rows: dict, final: dict, cfg) -> dict:
+    """Sums over layers and KV heads for the decode rows q (one per step) of each layer: blocks
+    entering between consecutive steps, step transitions, blocks selected after the first step,
+    the largest entry count, and the dense mass inside the selection (sum over layers)."""
+    import torch
+
+    from nosa import nosa_prefill
+    from nosa.eviction import MODULE_NAME
+    from nosa.select import blocks_entering
+    from nosa.train.metrics import selection_mass
+
+    stats = {"entering": 0, "transitions": 0, "selected": 0, "entering_max": 0, "mass": 0.0, "layers": 0}
+    for name, qs in rows.items():
+        q = torch.cat(qs)  # [n, Hq, D]: rows at positions L - n .. L - 1 of the final cache
+        _, k, v = final[name]
+        attn = model.get_submodule(name)
+        with torch.no_grad():
+            _, sel = nosa_prefill(q, k, v, getattr(attn, MODULE_NAME)(v), cfg, attn.scaling)  # [n, Hkv, K]
+        positions = torch.arange(k.shape[0] - q.shape[0], k.shape[0])
+        stats["mass"] += selection_mass(q, k, sel, positions, cfg, attn.scaling)
+        stats["layers"] += 1
+        if q.shape[0] > 1:
+            enter = blocks_entering(sel[:-1], sel[1:])  # [n - 1, Hkv]
+            stats["entering"] += int(enter.sum())
+            stats["transitions"] += enter.numel()
+            stats["selected"] += int((sel[1:] >= 0).sum())
+            stats["entering_max"] = max(stats["entering_max"], int(enter.max()))
+    return stats
+
+
+def perplexity_nll(variant: Variant, length: int, window, tail: int, kv) -> float:
+    """Mean next-token loss over the last ``tail`` tokens of ``window`` [length]; the first
+    ``length - tail - 1`` tokens come from ``kv`` (dense prefill) or, with kv None, from the
+    variant's own prefill."""
+    import torch
+    import torch.nn.functional as F
+
+    variant.prepare(length)
+    start = length - tail - 1 if kv is not None else 0
+    with torch.no_grad():
+        out = variant.model(input_ids=window[start:-1][None], past_key_values=cache_from(variant.model, kv),
+                            use_cache=True, logits_to_keep=tail)
+    return float(F.cross_entropy(out.logits[0].float(), window[-tail:]))
+
+
+def load_variants(args):
+    """(variants, tokenizer, dense model digest)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import nosa
+
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise SystemExit(f"bench_longctx: no checkpoint at {args.model!r}; write it with "
+                         f"`python -m nosa.models smollm2 --out {args.model}`")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    dense = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
+    variants = [Variant("dense", dense, None, "dense")]
+    variants += [Variant(f"A = 0, 1/{s}", dense, s, "dense") for s in args.shares]
+    for spec in args.nosa or []:
+        label, _, path = spec.rpartition("=")
+        label = label or os.path.basename(os.path.normpath(path))
+        model = nosa.from_pretrained(path).eval()
+        base = "dense" if same_base(model, dense) else label
+        variants += [Variant(f"{label}, 1/{s}", model, s, base) for s in args.shares]
+    return variants, tokenizer, file_digest(args.model)
+
+
+def main(argv=None) -> int:
+    from nosa.train import ruler
+
+    parts = __doc__.split("\n\n")
+    parser = argparse.ArgumentParser(description=parts[0], epilog="\n\n".join(parts[2:]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="models/smollm2-135m", help="dense HF checkpoint (python -m nosa.models)")
+    parser.add_argument("--nosa", nargs="+", metavar="[LABEL=]CKPT", help="NOSA checkpoints to add as variants")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--examples", type=int, nargs="+", default=[12, 10, 4],
+                        help="examples per task at each length (one number: the same at every length)")
+    parser.add_argument("--tasks", nargs="+", default=list(ruler.TASKS), choices=ruler.TASKS)
+    parser.add_argument("--shares", type=int, nargs="+", default=[4, 8], help="budgets: 1/SHARE of the blocks")
+    parser.add_argument("--prefill", choices=("dense", "sparse"), default="dense")
+    parser.add_argument("--ppl-windows", type=int, default=3, help="held-out windows of the longest length")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="4 examples per task at the shortest length, 1 window")
+    parser.add_argument("--cache", default="runs/bench-cache", help="dense results cache ('' to turn it off)")
+    parser.add_argument("--out", default="results/longctx.json")
+    parser.add_argument("--plot", metavar="PNG", help="also draw accuracy, recalls and hit rate per length")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.lengths, args.examples, args.ppl_windows = [min(args.lengths)], [4], 1
+    counts = args.examples * len(args.lengths) if len(args.examples) == 1 else args.examples
+    if len(counts) != len(args.lengths):
+        raise SystemExit(f"bench_longctx: --examples needs one number or one per length ({len(args.lengths)})")
+    for length in args.lengths:
+        for share in args.shares:
+            budget_config(length, share)  # a ValueError naming the field, before anything runs
+    report = run(args, dict(zip(args.lengths, counts)))
+    from _longctx_report import plot, tables
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(args.out + ".tmp", args.out)
+    print(tables(report))
+    print(f"\nwrote {args.out} ({report['seconds'] / 60:.1f} min)")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def run(args, counts: dict[int, int]) -> dict:
+    import torch
+    from _longctx_report import summarise
+    from tqdm import tqdm
+
+    from nosa.train import prose, ruler
+
+    torch.manual_seed(0)
+    t_start = time.perf_counter()
+    variants, tokenizer, digest = load_variants(args)
+    cache = DenseCache(args.cache or None, digest)
+    _, heldout = prose.split(prose.documents(prose.FIXED_SOURCES))
+    haystack = ruler.Haystack(tokenizer, [d.text for d in heldout])
+    examples = [ex for length, n in counts.items() for task in args.tasks
+                for ex in ruler.make_examples(tokenizer, haystack, task, length, n, args.seed)]
+    bases = {}  # base -> the model that prefills its contexts densely (the first variant's)
+    for v in variants:
+        bases.setdefault(v.base, v.model)
+    records, seconds = [], {}
+    bar = tqdm(examples, desc="examples", unit="ex", dynamic_ncols=True)
+    for ex in bar:
+        record = {"task": ex.task, "length": ex.length, "index": ex.index, "digest": ex.digest(),
+                  "references": list(ex.references), "depths": list(ex.depths), "prompt_tokens": len(ex.prompt_ids),
+                  "reply": {}, "right": {}, "select": {}}
+        kvs = {}
+        for variant in variants:
+            key = f"reply:{ex.digest()}"
+            if variant.share is None and cache.get(key):
+                hit = cache.get(key)
+                record["reply"][variant.name], record["right"][variant.name] = hit["reply"], hit["right"]
+                continue
+            t0 = time.perf_counter()
+            kv = None
+            if args.prefill == "dense":
+                if variant.base not in kvs:
+                    bases[variant.base].set_attn_implementation("sdpa")
+                    kvs[variant.base] = context_kv(bases[variant.base], torch.tensor(ex.prompt_ids[: ex.context_end]))
+                    seconds[("context prefill", ex.length)] = (seconds.get(("context prefill", ex.length), 0)
+                                                               + time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                kv = kvs[variant.base]
+            out = run_variant(variant, ex.length, ex, kv, tokenizer.eos_token_id, lambda tokens: ruler.is_settled(
+                tokenizer.decode(tokens, skip_special_tokens=True), ex.references))
+            reply = tokenizer.decode(out["tokens"], skip_special_tokens=True)
+            right = ruler.is_right(reply, ex.references)
+            record["reply"][variant.name], record["right"][variant.name] = reply, right
+            if "select" in out:
+                record["select"][variant.name] = out["select"]
+            if variant.share is None:
+                cache.put(key, {"reply": reply, "right": right})
+            seconds[(variant.name, ex.length)] = seconds.get((variant.name, ex.length), 0) + time.perf_counter() - t0
+        records.append(record)
+        bar.set_postfix_str(" ".join(f"{v.name.replace(' ', '')}={sum(r['right'].get(v.name, 0) for r in records)}"
+                                     for v in variants[:3]))
+    perplexity = measure_perplexity(args, variants, tokenizer, heldout, cache, bases)
+    return summarise(args, counts, variants, records, perplexity, seconds, budget_config,
+                     env={"torch": torch.__version__, "python": platform.python_version(),
+                          "cpus": os.cpu_count(), "threads": torch.get_num_threads()},
+                     seconds_total=time.perf_counter() - t_start)
+
+
+def measure_perplexity(args, variants, tokenizer, heldout, cache, bases) -> list[dict]:
+    """Per variant: mean loss over the last PPL_TAIL tokens (at most half a window) of ``--ppl-windows``
+    consecutive held-out windows of the longest length (BOS, then the prose)."""
+    import torch
+    from tqdm import tqdm
+
+    length = max(args.lengths)
+    tail = min(PPL_TAIL, length // 2)
+    stream = tokenizer("\n\n".join(d.text for d in heldout), add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    step = length - len(bos)
+    if args.ppl_windows * step > len(stream):
+        raise SystemExit(f"bench_longctx: the held-out prose has {len(stream)} tokens, fewer than "
+                         f"{args.ppl_windows} windows of {length}")
+    nll = {v.name: [] for v in variants}
+    for w in tqdm(range(args.ppl_windows), desc=f"perplexity at {length}", unit="window", dynamic_ncols=True):
+        window = torch.tensor(bos + stream[w * step : (w + 1) * step])
+        key = f"ppl{tail}:" + hashlib.sha256(str(window.tolist()).encode()).hexdigest()
+        kvs = {}
+        for variant in variants:
+            if variant.share is None and cache.get(key) is not None:
+                nll[variant.name].append(cache.get(key))
+                continue
+            kv = None
+            if args.prefill == "dense":
+                if variant.base not in kvs:
+                    bases[variant.base].set_attn_implementation("sdpa")
+                    kvs[variant.base] = context_kv(bases[variant.base], window[: length - tail - 1])
+                kv = kvs[variant.base]
+            value = perplexity_nll(variant, length, window, tail, kv)
+            nll[variant.name].append(value)
+            if variant.share is None:
+                cache.put(key, value)
+    return [{"variant": name, "length": length, "windows": len(v), "tokens": len(v) * tail,
+             "nll": sum(v) / len(v), "share": next(x.share for x in variants if x.name == name)}
+            for name, v in nll.items()]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

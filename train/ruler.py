@@ -1,0 +1,231 @@
+"""RULER-style long-context tasks over real prose, generated here (no downloads).
+
+An example is one chat turn: an instruction, a haystack (held-out prose from nosa.train.prose, or
+repeated filler for the passkey) with inserted sentences, a question after it, and the start of the
+assistant's reply (RULER's answer prefix, which the reply continues). Its ``references`` are the
+strings a right reply contains. Tasks (after RULER, Hsieh et al. 2024):
+
+- ``passkey``: a 5-digit pass key in repeated filler ("The grass is green. ...");
+- ``niah_single``: one "special magic number" (7 digits) for a key, in prose;
+- ``niah_multikey``: 4 such needles with different keys; one is asked, 3 are distractors;
+- ``niah_multivalue``: 2 numbers for the same key; both are asked;
+- ``vt`` (variable tracking): ``VAR X = 12345.`` then ``VAR Y = VAR X.``; both names are asked;
+- ``qa``: a fact stated once ("Ada keeps the lantern in the green chest."), asked as a question
+  ("Where does Ada keep the lantern?"); the answer is the phrase that ends that sentence.
+
+Inserted sentences go between two sentences of the haystack at random depths in ``DEPTH`` (of the
+haystack's sentences): past the first blocks and well before the question, so a sparse selection
+has to find them. An example of ``length`` tokens has a prompt of at most ``length - max_new_tokens``
+tokens (so prompt and reply fit in ``length``); the haystack fills it to within a few tokens (its
+last sentence may be cut short).
+
+Scoring (``is_right``): the reply and each reference are normalised (lower case; a comma between
+two digits removed, so "1,234" reads "1234"; every other character that is not a letter or digit a
+space; runs of spaces one) and the reply is right when every reference occurs in it as whole
+words. That is exact match of the answer inside a sentence-long reply; a list with an item missing
+(multivalue, vt) is wrong. ``is_settled`` says when no continuation can change that verdict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import asdict, dataclass
+
+TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "vt", "qa")
+DEPTH = (0.1, 0.9)
+# Sizes and wording measured on the dense 135M model at 2K (a few examples each): the passkey and
+# qa questions say what to answer with (without it the model explained what a pass key is, 0 of 4);
+# 4 values per key (RULER's) and 2-hop chains left it at 0 of 3; with 2 values and 1 hop it still
+# rarely answers (it lists one value and variations of it), and the README says so.
+KEYS = 4  # niah_multikey: needles in all, one asked
+VALUES = 2  # niah_multivalue: values of the one key, all asked
+VT_HOPS = 1  # assignments after the value: VT_HOPS + 1 variables to name
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+MAX_NEW_TOKENS = {"passkey": 12, "niah_single": 16, "niah_multikey": 16, "niah_multivalue": 32, "vt": 24, "qa": 12}
+
+# Words for keys, names and objects: plain English, none of them frequent in Python documentation.
+ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen",
+              "lively", "misty", "noble", "odd", "proud", "quiet", "rapid", "shy", "tidy", "upbeat", "vivid",
+              "wary", "young", "zesty", "bold", "crisp", "damp", "fierce", "glossy", "humble", "lucky")
+NOUNS = ("badger", "canyon", "dolphin", "ember", "falcon", "glacier", "harbor", "island", "jaguar", "kettle",
+         "lantern", "meadow", "nectar", "orchard", "pebble", "quarry", "raven", "saddle", "tulip", "valley",
+         "walrus", "willow", "acorn", "beacon", "cobalt", "daisy", "feather", "garnet", "hazel", "ivory",
+         "juniper", "lagoon")
+NAMES = ("Ada", "Boris", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ingrid", "Jonas", "Keiko",
+         "Lars", "Mira", "Nadia", "Omar", "Priya", "Quentin", "Rosa", "Stefan", "Tara")
+OBJECTS = ("lantern", "compass", "violin", "telescope", "teapot", "hammer", "notebook", "umbrella", "camera",
+           "kite", "clock", "mirror")
+COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black", "silver", "golden")
+CONTAINERS = ("chest", "drawer", "basket", "cupboard", "suitcase", "box", "bag", "crate", "jar", "cabinet")
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str
+    length: int  # prompt + reply fit in this many tokens
+    index: int
+    prompt_ids: tuple[int, ...]
+    context_end: int  # prompt_ids[:context_end] = chat template + instruction + haystack; the rest is the question
+    references: tuple[str, ...]
+    max_new_tokens: int
+    depths: tuple[float, ...]  # where the inserted sentences went (share of the haystack's sentences)
+
+    def digest(self) -> str:
+        """sha256 of everything that defines the example's answer (prompt, references, reply length)."""
+        body = json.dumps([self.task, list(self.prompt_ids), list(self.references), self.max_new_tokens])
+        return hashlib.sha256(body.encode()).hexdigest()
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["prompt_ids"] = list(self.prompt_ids)
+        return out
+
+
+def normalise(text: str) -> str:
+    text = re.sub(r"(?<=\d),(?=\d)", "", text.lower())
+    return " ".join(re.sub(r"[^a-z0-9]+", " ", text).split())
+
+
+def is_right(reply: str, references) -> bool:
+    """Every reference occurs in the reply as whole words, after ``normalise`` (module docstring)."""
+    padded = f" {normalise(reply)} "
+    return all(f" {normalise(r)} " in padded for r in references)
+
+
+def is_settled(reply: str, references) -> bool:
+    """The reply is right whatever text follows it, so decoding can stop: right now and still right
+    with a letter, a digit or a comma and a digit after it (only its last, unfinished word and a
+    comma between digits could join what follows)."""
+    return all(is_right(reply + tail, references) for tail in ("", "a", "0", ",0"))
+
+
+class Haystack:
+    """Held-out prose as a ring of sentences with their token counts, to cut haystacks from."""
+
+    def __init__(self, tokenizer, texts: list[str]):
+        from nosa.train.prose import sentences
+
+        self.sentences = [s for text in texts for s in sentences(text)]
+        if not self.sentences:
+            raise ValueError("Haystack: no sentences in the given texts")
+        counts = tokenizer([" " + s for s in self.sentences], add_special_tokens=False)["input_ids"]
+        self.tokens = [len(c) for c in counts]
+
+    def take(self, rng: random.Random, tokens: int) -> list[str]:
+        """Consecutive sentences (wrapping around) from a random start, about ``tokens`` tokens."""
+        i, out, total = rng.randrange(len(self.sentences)), [], 0
+        while total < tokens:
+            out.append(self.sentences[i])
+            total += self.tokens[i]
+            i = (i + 1) % len(self.sentences)
+        return out
+
+
+def make_examples(tokenizer, haystack: Haystack, task: str, length: int, count: int, seed: int) -> list[Example]:
+    """``count`` examples of ``task`` at ``length`` tokens; example i depends only on (seed, task,
+    length, i), so a larger count extends a smaller one."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {list(TASKS)}")
+    return [_example(tokenizer, haystack, task, length, i, random.Random(f"{seed}/{task}/{length}/{i}"))
+            for i in range(count)]
+
+
+def _example(tokenizer, haystack: Haystack, task: str, length: int, index: int, rng: random.Random) -> Example:
+    from nosa.chat import chat_text
+
+    instruction, needles, question, prefix, references = _TASK_BUILDERS[task](rng)
+    max_new = MAX_NEW_TOKENS[task]
+    budget = length - max_new
+
+    def render(filler: list[str]) -> tuple[str, int]:
+        body = list(filler)
+        for depth, needle in sorted(zip(depths, needles), reverse=True):
+            body.insert(round(depth * len(filler)), needle)
+        hay = " ".join(body)
+        text = chat_text(tokenizer, f"{instruction}\n\n{hay}\n\n{question}") + prefix
+        return text, text.index(hay) + len(hay)
+
+    depths = sorted(rng.uniform(*DEPTH) for _ in needles)
+    overhead = len(tokenizer(render([])[0], add_special_tokens=False)["input_ids"])
+    if task == "passkey":
+        unit = PASSKEY_FILLER.split(". ")
+        per = len(tokenizer(" " + PASSKEY_FILLER, add_special_tokens=False)["input_ids"]) / len(unit)
+        filler = [unit[i % len(unit)].rstrip(".") + "." for i in range(int((budget - overhead) / per) + 1)]
+    else:
+        filler = haystack.take(rng, budget - overhead + 64)  # tokens of a join can fall below the sum
+    while True:  # cut words off the end of the haystack until the prompt fits
+        text, hay_end = render(filler)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        excess = len(enc["input_ids"]) - budget
+        if excess <= 0:
+            break
+        words = filler[-1].split()
+        cut = max(1, int(excess / 3))  # a third of the excess in words: prose rarely runs 3 tokens a word
+        filler = filler[:-1] + ([" ".join(words[:-cut])] if cut < len(words) else [])
+    context_end = sum(1 for start, _ in enc["offset_mapping"] if start < hay_end)
+    return Example(task, length, index, tuple(enc["input_ids"]), context_end, tuple(references), max_new,
+                   tuple(round(d, 4) for d in depths))
+
+
+def _number(rng: random.Random, digits: int) -> str:
+    return str(rng.randrange(10 ** (digits - 1), 10**digits))
+
+
+def _keys(rng: random.Random, n: int) -> list[str]:
+    return [f"{a}-{b}" for a, b in zip(rng.sample(ADJECTIVES, n), rng.sample(NOUNS, n))]
+
+
+_NIAH_INSTRUCTION = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+                     "I will quiz you about the numbers afterwards.")
+
+
+def _passkey(rng):
+    key = _number(rng, 5)
+    return ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+            "I will quiz you about the important information there.",
+            [f"The pass key is {key}. Remember it. {key} is the pass key."],
+            "What is the pass key? Answer with the number.", "The pass key is", [key])
+
+
+def _niah(rng, keys: int, values: int):
+    names = _keys(rng, keys)
+    numbers = [_number(rng, 7) for _ in range(keys * values)]
+    needles = [f"One of the special magic numbers for {names[i % keys]} is: {n}." for i, n in enumerate(numbers)]
+    rng.shuffle(needles)  # the asked key at any of the depths
+    asked = names[0]
+    if values > 1:
+        return (_NIAH_INSTRUCTION, needles,
+                f"What are all the special magic numbers for {asked} mentioned in the provided text?",
+                f"The special magic numbers for {asked} mentioned in the provided text are", numbers)
+    return (_NIAH_INSTRUCTION, needles, f"What is the special magic number for {asked} mentioned in the provided text?",
+            f"The special magic number for {asked} mentioned in the provided text is", [numbers[0]])
+
+
+def _vt(rng):
+    names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(VT_HOPS + 1)]
+    value = _number(rng, 5)
+    needles = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+    return ("Memorize and track the chain of variable assignments hidden in the following text.", needles,
+            f"Question: Find all variables that are assigned the value {value} in the text above.",
+            f"Answer: According to the chain of variable assignments in the text above, {len(names)} variables "
+            f"are assigned the value {value}, they are:", names)
+
+
+def _qa(rng):
+    name, thing = rng.choice(NAMES), rng.choice(OBJECTS)
+    place = f"{rng.choice(COLOURS)} {rng.choice(CONTAINERS)}"
+    return ("Answer the question based on the following text.", [f"{name} keeps the {thing} in the {place}."],
+            f"Where does {name} keep the {thing}? Answer with the place.", f"{name} keeps the {thing} in the", [place])
+
+
+_TASK_BUILDERS = {
+    "passkey": _passkey,
+    "niah_single": lambda rng: _niah(rng, 1, 1),
+    "niah_multikey": lambda rng: _niah(rng, KEYS, 1),
+    "niah_multivalue": lambda rng: _niah(rng, 1, VALUES),
+    "vt": _vt,
+    "qa": _qa,
+}
