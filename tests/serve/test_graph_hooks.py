@@ -37,8 +37,12 @@ def _backend(ckpt):
     model_config = SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=LAYERS, num_key_value_heads=HKV),
                                    head_dim=D, model_path=ckpt, revision=None)
     runner = SimpleNamespace(device="cpu", req_to_token_pool=req, token_to_kv_pool=kv, model_config=model_config,
-                             token_to_kv_pool_allocator=SimpleNamespace(size=2048))
-    return NosaAttnBackend(runner)
+                             token_to_kv_pool_allocator=SimpleNamespace(size=2048),
+                             server_args=SimpleNamespace(tp_size=1))
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(attn_tp_rank=0, attn_tp_size=1):  # one rank, as a scheduler of TP 1 publishes
+        return NosaAttnBackend(runner)
 
 
 def _batch(rows, lengths, out_cache_loc):
