@@ -21,6 +21,7 @@ call writes completed blocks back host-ward (dst = host tensors).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 
 import torch
@@ -48,6 +49,27 @@ def _check(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx: to
             if not t.is_contiguous():
                 raise ValueError(f"copy_items: pair {i}: {name} must be contiguous (items along dim 0), "
                                  f"got strides {t.stride()} for shape {tuple(t.shape)}")
+
+
+def debug_checks() -> bool:
+    """$NOSA_DEBUG_CHECKS=1: check index bounds on every copy. Off by default: the check reads the
+    indices on the host, a synchronisation per call on CUDA that a captured step cannot make, and
+    on CPU it cost more than copying a few items (the offloading profile)."""
+    return os.environ.get("NOSA_DEBUG_CHECKS", "0") == "1"
+
+
+def check_bounds(dst, src, dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
+    """ValueError naming the pair and side whose index (-1 entries of src_idx left out) is outside
+    its tensor's items."""
+    keep = src_idx >= 0
+    for i, (d, s) in enumerate(zip(dst, src)):
+        for name, t, idx in (("dst", d, dst_idx[keep]), ("src", s, src_idx[keep])):
+            if idx.numel() == 0:
+                continue
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= t.shape[0]:
+                raise ValueError(f"copy_items: pair {i}: {name} index {lo if lo < 0 else hi} outside "
+                                 f"[0, {t.shape[0]}) (items of {name})")
 
 
 def item_rows(t: torch.Tensor) -> torch.Tensor:
@@ -87,12 +109,9 @@ class ItemCopier:
             dst_idx, src_idx = dst_idx[keep], src_idx[keep]
         if src_idx.numel() == 0:
             return
+        if debug_checks():
+            check_bounds(dst, src, dst_idx, src_idx)
         for i, (d, s) in enumerate(zip(dst, src)):
-            for name, t, idx in (("dst", d, dst_idx), ("src", s, src_idx)):
-                lo, hi = int(idx.min()), int(idx.max())
-                if lo < 0 or hi >= t.shape[0]:
-                    raise ValueError(f"copy_items: pair {i}: {name} index {lo if lo < 0 else hi} outside "
-                                     f"[0, {t.shape[0]}) (items of {name})")
             d_rows, s_rows, staging = item_rows(d), item_rows(s), self._staging[i]
             if d_rows.shape[1:] != staging.shape[1:] or d_rows.dtype != staging.dtype:
                 raise ValueError(f"ItemCopier: pair {i}: items of {tuple(d.shape[1:])} {d.dtype} do not match "
@@ -109,6 +128,8 @@ def copy_items_reference(dst, src, dst_idx, src_idx) -> None:
     ItemCopier path (staging sized for this call); with CUDA tensors (e.g. NOSA_KERNELS=reference on
     a GPU): a plain gather + scatter per pair, which allocates and synchronises (a reference only)."""
     if not any(t.is_cuda for t in (*dst, *src, dst_idx, src_idx)):
+        _check(dst, src, dst_idx, src_idx)
+        check_bounds(dst, src, dst_idx, src_idx)  # the reference always checks: it synchronises anyway
         ItemCopier(dst).copy(dst, src, dst_idx, src_idx)
         return
     _check(dst, src, dst_idx, src_idx)
@@ -157,6 +178,8 @@ def copy_items_triton(dst, src, dst_idx, src_idx) -> None:
     dst_idx, src_idx = dst_idx.contiguous(), src_idx.contiguous()
     if src_idx.numel() == 0:
         return
+    if debug_checks():
+        check_bounds(dst, src, dst_idx, src_idx)
     for lo in range(0, len(dst), MAX_PAIRS):
         grid, args, constexprs = copy_items_plan(dst[lo : lo + MAX_PAIRS], src[lo : lo + MAX_PAIRS], dst_idx, src_idx)
         kernels()["copy"][grid](*args, **constexprs, num_warps=4)

@@ -44,14 +44,17 @@ class NosaDecodeState:
     with the blocks that entered and left it. Everything grows linearly with the context
     (amortised doubling buffers) and is updated incrementally: a step touches only the newest
     window and block. K, V and cis stay in the caller's pool and are read through a KV view.
+
+    ``store``: where the compressed and static keys live, if not in the state's own growing
+    buffers: an object with the methods of ``GrowingStore`` (the serving backend passes one row of
+    nosa.state_pool.DecodeStatePool, whose batched step then updates the keys in place).
     """
 
-    def __init__(self, cfg: NosaConfig, num_kv_heads: int, head_dim: int, device=None):
+    def __init__(self, cfg: NosaConfig, num_kv_heads: int, head_dim: int, device=None, store=None):
         self.cfg = cfg
         self.num_kv_heads = num_kv_heads
         self.length = 0
-        self._ck = _Growable((num_kv_heads, 0, head_dim), torch.float32, device)
-        self._static = _Growable((num_kv_heads, 0, 2), torch.float32, device, fill=NEG_INF)
+        self.store = GrowingStore(num_kv_heads, head_dim, device) if store is None else store
         self.selection: torch.Tensor | None = None  # [Hkv, K]
         self.entered: torch.Tensor | None = None  # [Hkv, K] blocks new in the last selection, -1 padded
         self.left: torch.Tensor | None = None  # [Hkv, K] blocks of the previous selection dropped, -1 padded
@@ -63,19 +66,19 @@ class NosaDecodeState:
 
     @property
     def num_windows(self) -> int:
-        return self._ck.size
+        return self.store.num_windows
 
     @property
     def compressed_keys(self) -> torch.Tensor:
         """[Hkv, C, D] float32."""
-        return self._ck.view()
+        return self.store.keys()
 
     @property
     def static_keys(self) -> torch.Tensor:
         """[Hkv, NB, 2] float32, as ``nosa.eviction.block_eviction_scores`` of the whole context, except
         that the current (incomplete) block's mean is only filled in when the block completes: it is
         always inside the local window, so it is never ranked before then."""
-        return self._static.view()
+        return self.store.static()
 
     def append(self, kv, seq: int = 0) -> None:
         """Catch up with sequence ``seq`` of the KV view ``kv`` (nosa.kv): account for its tokens
@@ -88,24 +91,27 @@ class NosaDecodeState:
         if new_length == old_length:
             return
         num_blocks = cfg.num_blocks(new_length)
-        self._static.grow_to(num_blocks)
-        static = self._static.view()
+        self.store.grow_blocks(num_blocks)
         # block means of the blocks this append completed
         done_lo, done_hi = old_length // cfg.block_size, new_length // cfg.block_size
         if done_hi > done_lo:
             tokens = kv.cis(seq, done_lo * cfg.block_size, done_hi * cfg.block_size).float()
-            static[:, done_lo:done_hi, 1] = block_means(tokens, done_hi - done_lo, cfg.block_size)
+            self.store.set_means(done_lo, block_means(tokens, done_hi - done_lo, cfg.block_size))
         first, total = self.num_windows, cfg.num_compressed(new_length)
         if total > first:
             lo = cfg.compress_stride * first
             hi = cfg.compress_stride * (total - 1) + cfg.compress_kernel
-            self._ck.extend(compress_windows(kv.keys(seq, lo, hi).detach().float(), cfg, 0, total - first)
-                            .transpose(0, 1))
+            self.store.add_windows(compress_windows(kv.keys(seq, lo, hi).detach().float(), cfg, 0, total - first)
+                                   .transpose(0, 1))
             window_cis = compress_windows(kv.cis(seq, lo, hi).detach().float(), cfg, 0, total - first)  # [c, Hkv]
-            pooled = pool_to_blocks(window_cis.transpose(0, 1), num_blocks, cfg, first_window=first)
-            torch.maximum(static[..., 0], pooled, out=pooled)
-            static[..., 0] = pooled
+            self.store.raise_pooled(pool_to_blocks(window_cis.transpose(0, 1), num_blocks, cfg, first_window=first))
         self.length = new_length
+
+    def advanced(self, length: int) -> None:
+        """The state's store was brought to ``length`` tokens in place by a batched step the host
+        does not watch (nosa.state_pool.DecodeStatePool.advance): take the sizes that go with it."""
+        self.length = length
+        self.store.set_sizes(self.cfg.num_compressed(length), self.cfg.num_blocks(length))
 
     def select(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Selection for the query of the last token. q: [Hq, D] -> [Hkv, K]."""
@@ -228,26 +234,47 @@ def decode_blocks(states: Sequence[NosaDecodeState], sel: torch.Tensor) -> Decod
     last tokens: sequences above dense_len read only their selected blocks (K * block_size tokens
     per KV head), the others every block, as in ``nosa_prefill``."""
     cfg = states[0].cfg
-    rows = sel.shape[0]
     lengths = torch.tensor([s.length for s in states], device=sel.device)
-    dense = lengths <= cfg.dense_len  # [R]
-    blocks = sel
+    dense = lengths <= cfg.dense_len
+    width = cfg.topk_blocks
     if bool(dense.any()):  # dense rows read every block: widen to the longest dense context
-        width = max(cfg.topk_blocks, cfg.num_blocks(int(lengths[dense].max())))
-        every = torch.arange(width, device=sel.device).expand(rows, sel.shape[1], width)
-        every = torch.where(every < ((lengths - 1) // cfg.block_size + 1)[:, None, None], every, -1)
-        padded = torch.nn.functional.pad(sel, (0, width - sel.shape[-1]), value=-1)
-        blocks = torch.where(dense[:, None, None], every, padded)
-    return DecodeBlocks(blocks, lengths, dense)
+        width = max(width, cfg.num_blocks(int(lengths[dense].max())))
+    return read_blocks(sel, lengths, cfg, width)
 
 
-def attend_resolved(q: torch.Tensor, found, dense: torch.Tensor, block_size: int, scale: float):
+def read_width(cfg: NosaConfig) -> int:
+    """Blocks per (sequence, KV head) a decode step reads at most: the budget, or every block of a
+    context within dense_len. The static width of ``read_blocks``."""
+    return max(cfg.topk_blocks, cfg.num_blocks(cfg.dense_len))
+
+
+def read_blocks(sel: torch.Tensor, lengths: torch.Tensor, cfg: NosaConfig, width: int) -> DecodeBlocks:
+    """``decode_blocks`` for tensors: selections sel [R, Hkv, K] of sequences of ``lengths`` [R]
+    tokens, ``width`` (>= K, and >= the blocks of any sequence within dense_len) blocks per row.
+    No host synchronisation: shapes depend on R and ``width`` only."""
+    rows = sel.shape[0]
+    dense = lengths <= cfg.dense_len  # [R]
+    if width == sel.shape[-1] and cfg.dense_len == 0:
+        return DecodeBlocks(sel, lengths, dense)
+    every = torch.arange(width, device=sel.device).expand(rows, sel.shape[1], width)
+    every = torch.where(every < ((lengths - 1) // cfg.block_size + 1)[:, None, None], every, -1)
+    padded = torch.nn.functional.pad(sel, (0, width - sel.shape[-1]), value=-1)
+    return DecodeBlocks(torch.where(dense[:, None, None], every, padded), lengths, dense)
+
+
+def attend_resolved(q: torch.Tensor, found, dense: torch.Tensor, block_size: int, scale: float,
+                    static: bool = False):
     """Attention of q [R, Hq, D] over the resolved blocks ``found`` (nosa.kv.DeviceRows):
     (out [R, Hq, D], lse [R, Hq] float32). Keys are weighted by exp(cis) except in the ``dense``
-    [R] rows; a GPU kernel runs when the blocks come in a form it reads and no row is dense."""
-    fast = None if bool(dense.any()) else _kernel_attend(q, found, block_size, scale)
-    if fast is not None:
-        return fast
+    [R] rows; a GPU kernel runs when the blocks come in a form it reads and no row is dense.
+    ``static``: no host synchronisation (a captured step): the kernels, which cannot leave out the
+    weighting per row, are not used then."""
+    from nosa import ops
+
+    if ops.use_kernels(q) and not static and not bool(dense.any()):
+        fast = _kernel_attend(q, found, block_size, scale)
+        if fast is not None:
+            return fast
     cis = found.cis.index_select(0, found.rows.flatten()).view_as(found.rows).float()
     cis = torch.where(dense[:, None, None], 0.0, cis)
     bias = torch.where(found.valid, cis, NEG_INF)  # [R, Hkv, T]
@@ -276,12 +303,11 @@ def decode_attend(
 
 def _kernel_attend(q, found, block_size: int, scale: float):
     """(out, lse) from the GPU kernel that fits the resolved blocks (nosa.ops picks Triton on CUDA,
-    or under NOSA_KERNELS=triton), or None to use the torch path (CPU; batches with dense rows,
-    whose attention has no exp(cis) weighting, which the kernels always apply)."""
+    or under NOSA_KERNELS=triton), or None to use the torch path (blocks in no form a kernel
+    reads). Not for batches with dense rows, whose attention has no exp(cis) weighting, which the
+    kernels always apply."""
     from nosa import ops
 
-    if not ops.use_kernels(q):
-        return None
     if found.slots is not None:
         return ops.slot_decode(q, *found.items, found.slots, found.fill, scale)
     if found.paged is not None:
@@ -289,6 +315,49 @@ def _kernel_attend(q, found, block_size: int, scale: float):
         return ops.paged_sparse_decode(q, paged.k_pool, paged.v_pool, paged.cis_pool, paged.token_table.int(),
                                        paged.blocks.int(), paged.lengths.int(), block_size, scale)
     return None
+
+
+class GrowingStore:
+    """Where a NosaDecodeState keeps its keys by default: buffers of its own that grow with the
+    context. The methods are the store protocol (nosa.state_pool's paged rows have the same):
+    sizes, views and the four writes ``append`` makes."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, device):
+        self._ck = _Growable((num_kv_heads, 0, head_dim), torch.float32, device)
+        self._static = _Growable((num_kv_heads, 0, 2), torch.float32, device, fill=NEG_INF)
+
+    @property
+    def num_windows(self) -> int:
+        return self._ck.size
+
+    def keys(self) -> torch.Tensor:
+        """[Hkv, C, D] the compressed keys."""
+        return self._ck.view()
+
+    def static(self) -> torch.Tensor:
+        """[Hkv, NB, 2] the static block keys (-inf where not yet known)."""
+        return self._static.view()
+
+    def add_windows(self, keys: torch.Tensor) -> None:
+        """Append compressed keys [Hkv, c, D]."""
+        self._ck.extend(keys)
+
+    def grow_blocks(self, num_blocks: int) -> None:
+        """Static keys for ``num_blocks`` blocks, the new ones -inf."""
+        self._static.grow_to(num_blocks)
+
+    def set_means(self, first: int, means: torch.Tensor) -> None:
+        """Block means [Hkv, n] of blocks ``first .. first + n - 1``."""
+        self._static.view()[:, first : first + means.shape[1], 1] = means
+
+    def raise_pooled(self, pooled: torch.Tensor) -> None:
+        """Pooled eviction scores [Hkv, NB]: each block keeps the max of its own and this one."""
+        static = self._static.view()
+        torch.maximum(static[..., 0], pooled, out=pooled)
+        static[..., 0] = pooled
+
+    def set_sizes(self, num_windows: int, num_blocks: int) -> None:
+        raise ValueError("NosaDecodeState.advanced: only a state in a pool (nosa.state_pool) is updated in place")
 
 
 class _Growable:

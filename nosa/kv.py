@@ -98,17 +98,18 @@ class ContiguousKV:
 
 class PagedKV:
     """Sequences in a shared token-slot pool: k_pool, v_pool [N, Hkv, D], cis_pool [N, Hkv]; token t
-    of sequence i at pool row ``slot_table[table_rows[i], t]`` (SGLang's req_to_token); lengths [R]."""
+    of sequence i at pool row ``slot_table[table_rows[i], t]`` (SGLang's req_to_token); lengths [R]
+    (a list, or a tensor: read on the host only by ``length``)."""
 
     def __init__(self, k_pool, v_pool, cis_pool, slot_table, table_rows, lengths):
         if cis_pool.shape != k_pool.shape[:2]:
             raise ValueError(f"PagedKV: cis_pool {tuple(cis_pool.shape)} must be [N, Hkv] = {tuple(k_pool.shape[:2])}")
         self.k_pool, self.v_pool, self.cis_pool = k_pool, v_pool, cis_pool
         self.slot_table, self.table_rows = slot_table, table_rows
-        self.lengths = [int(n) for n in lengths]
+        self.lengths = lengths
 
     def length(self, i: int) -> int:
-        return self.lengths[i]
+        return int(self.lengths[i])
 
     def slots(self, i: int, lo: int, hi: int) -> torch.Tensor:
         return self.slot_table[self.table_rows[i], lo:hi].long()
@@ -120,20 +121,32 @@ class PagedKV:
         return self.cis_pool.index_select(0, self.slots(i, lo, hi))
 
     def resolve(self, blocks: torch.Tensor, lengths: torch.Tensor, block_size: int) -> DeviceRows:
-        tokens, valid = selected_tokens(blocks, lengths, block_size)  # [R, Hkv, T]
-        # slot_table[table_rows[i], tokens[i]] for every i, one index_select (advanced indexing is slower)
-        where = self.table_rows.to(tokens.device)[:, None, None] * self.slot_table.shape[1] + tokens
-        slots = self.slot_table.reshape(-1).index_select(0, where.flatten()).view_as(tokens).long()
-        found = _token_rows(self.k_pool, self.v_pool, self.cis_pool, slots, valid)
-        found.paged = PagedBlocks(self.k_pool, self.v_pool, self.cis_pool,
-                                  self.slot_table.index_select(0, self.table_rows.to(self.slot_table.device)), blocks,
-                                  lengths)
-        return found
+        return paged_rows(self.k_pool, self.v_pool, self.cis_pool, self.slot_table, self.table_rows, blocks, lengths,
+                          block_size)
 
     def gather_blocks(self, i: int, blocks: torch.Tensor, block_size: int):
         tokens = _block_token_ids(blocks, block_size).clamp(max=self.lengths[i] - 1)
         slots = self.slot_table[self.table_rows[i]].index_select(0, tokens).long()
         return tuple(x.index_select(0, slots) for x in (self.k_pool, self.v_pool, self.cis_pool))
+
+
+def paged_rows(k_pool, v_pool, cis_pool, slot_table, table_rows, blocks: torch.Tensor, lengths: torch.Tensor,
+               block_size: int) -> DeviceRows:
+    """``PagedKV.resolve`` as a function of tensors only (no host synchronisation: a captured decode
+    step calls it): blocks [R, Hkv, W] of the sequences at ``slot_table`` rows ``table_rows`` [R],
+    ``lengths`` [R] tokens each. The rows are read in place; ``paged`` (the form of the GPU kernel)
+    only where kernels run."""
+    from nosa import ops
+
+    tokens, valid = selected_tokens(blocks, lengths, block_size)  # [R, Hkv, T]
+    # slot_table[table_rows[i], tokens[i]] for every i, one index_select (advanced indexing is slower)
+    table_rows = table_rows.to(slot_table.device)
+    where = table_rows.to(tokens.device)[:, None, None] * slot_table.shape[1] + tokens
+    slots = slot_table.reshape(-1).index_select(0, where.flatten()).view_as(tokens).long()
+    found = _token_rows(k_pool, v_pool, cis_pool, slots, valid)
+    if ops.use_kernels(k_pool):
+        found.paged = PagedBlocks(k_pool, v_pool, cis_pool, slot_table.index_select(0, table_rows), blocks, lengths)
+    return found
 
 
 def _block_token_ids(blocks: torch.Tensor, block_size: int) -> torch.Tensor:

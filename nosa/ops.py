@@ -63,7 +63,18 @@ def copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx
     [P*Hkv, B]); dst_idx, src_idx [M] int64, padded with -1. CUDA: one Triton launch for all pairs,
     src or dst may be pinned host memory. CPU: index_select / index_copy_ through preallocated,
     cache-resident staging (nosa.kernels.recall.ItemCopier, one kept per item layout and thread).
-    On CUDA, host tensors must be pinned; index lists may be on the host (they are moved)."""
+    On CUDA, host tensors must be pinned; index lists may be on the host (they are moved).
+
+    One operator, ``torch.ops.nosa.copy_items`` (it mutates ``dst``), so that torch.compile keeps
+    it whole inside a compiled decode step (fixed shapes outside; on CPU the -1 entries are left
+    out inside) and a CUDA graph records its one launch. Indices are trusted (no host reads): set
+    NOSA_DEBUG_CHECKS=1 to check their bounds on every call."""
+    torch.ops.nosa.copy_items(list(dst), list(src), dst_idx, src_idx)
+
+
+@torch.library.custom_op("nosa::copy_items", mutates_args=("dst",))
+def _copy_items_op(dst: list[torch.Tensor], src: list[torch.Tensor], dst_idx: torch.Tensor,
+                   src_idx: torch.Tensor) -> None:
     from nosa.kernels import recall
 
     if backend(*dst, *src) == "triton":
@@ -78,6 +89,11 @@ def copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx
     if copier is None:
         copier = _COPIERS[key] = recall.ItemCopier(dst)
     copier.copy(dst, src, dst_idx, src_idx)
+
+
+@_copy_items_op.register_fake
+def _(dst, src, dst_idx, src_idx) -> None:
+    return None
 
 
 # ---- decode ---------------------------------------------------------------------------------------

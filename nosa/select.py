@@ -104,13 +104,15 @@ def select_blocks(
     evict_scores: torch.Tensor,
     positions: torch.Tensor,
     cfg: NosaConfig,
+    branch_free: bool = False,
 ) -> torch.Tensor:
     """The selected blocks of every row and KV head.
 
     query_scores: [R, Hkv, NB]; evict_scores: [R, Hkv, NB, 2] or broadcastable ([1, Hkv, NB, 2]),
     the static keys (pooled score, block mean) of nosa.eviction.block_eviction_scores;
     positions: [R]. Returns [R, Hkv, K] long, ascending block indices, padded with -1 at the end
-    when fewer than K blocks exist.
+    when fewer than K blocks exist. ``branch_free``: no Python branch on tensor values (so no host
+    synchronisation: a captured decode step), the same result.
     """
     rows, hkv, nb = query_scores.shape
     device = query_scores.device
@@ -147,16 +149,18 @@ def select_blocks(
     live = _live_heads(exists, evict)  # [R, Hkv]
     index_key = _lower_index_first(nb, device)
     mean = evict[..., 1]
-    all_live = bool(live.all())
-    if all_live:  # (training, fine-tuned models) the query score never ranks
+    # The branches only skip work: with every head live (training, fine-tuned models) the query
+    # score never ranks; with none (A = 0) the block mean only separates -inf / 0 / inf.
+    all_live = not branch_free and bool(live.all())
+    if all_live:
         minor = (_ordered(mean) << _INDEX_BITS) | index_key
     else:
         mean_class = (mean > NEG_INF).long() + (mean == float("inf")).long()  # dead heads: -inf < 0 < inf
         minor_dead = (mean_class << 61) | ((ordered_qs + 2**31) << _INDEX_BITS) | index_key
-        if bool(live.any()):
+        if branch_free or bool(live.any()):
             minor_live = (_ordered(mean) << _INDEX_BITS) | index_key
             minor = torch.where(live[..., None], minor_live, minor_dead)
-        else:  # (A = 0, training-free selection) the block mean only separates -inf / 0 / inf
+        else:
             minor = minor_dead
     tier = (exists.long() + in_query_set.long()) << 32  # 2: Q, 1: other, 0: future
     major = tier | (_ordered(evict[..., 0]) + 2**31)

@@ -1,15 +1,22 @@
 """Decode throughput of SGLang's "nosa" backend vs "torch_native" on the same tiny model.
 
     .venv/bin/python scripts/bench_serve.py [--quick] [--contexts 4096 8192 32768 65536] [--out results/serve.json]
+    .venv/bin/python scripts/bench_serve.py --backends torch_native nosa nosa+compile --contexts 4096 32768
+    .venv/bin/python scripts/bench_serve.py --checkpoint runs/tiny/nosa --backends nosa nosa+offload --contexts 2048
     .venv/bin/python scripts/bench_serve.py --backends nosa --tp-sizes 1 2 --evict-scale 1 --contexts 32768
 
 Builds a tiny random Llama (2 layers, hidden 256, GQA 8/2; a dense checkpoint, so the backend uses
-the released NosaConfig defaults: 64 blocks of 64 tokens, dense_len 4096), then for each backend
+the released NosaConfig defaults: 64 blocks of 64 tokens, dense_len 4096), then for each variant
 (and tensor-parallel size, ``--tp-sizes``) starts one server (stopped before the next starts: an
 idle server keeps a core busy) and, for each context length, sends ``--batch`` concurrent greedy
 requests with streaming (see ``measure``: the decode step time is the median interval between
 streamed tokens while the whole batch decodes, so prefill and request handling are excluded).
-Contexts above the model's dense_len (4096) are where NOSA's selection applies.
+Contexts above the model's dense_len (4096) are where NOSA's selection applies. ``--backends``
+picks variants (VARIANTS: eager or under SGLang's CPU graph runner, offloading off or on);
+``--checkpoint`` serves another checkpoint (its NosaConfig). The JSON's ``ratios`` compare the
+variants per context, each variant's longest context with its shortest, and each TP size with the
+first. Not a test: nothing is asserted.
+
 ``--evict-scale A`` (A > 0) converts the model to a NOSA checkpoint with random eviction heads of
 scale A, so that under tensor parallelism the ranks exchange the eviction heads' partial sums
 (a dense checkpoint's A = 0 heads need no other rank). On CPU a TP server gets
@@ -18,7 +25,7 @@ and each rank runs ``--threads`` torch threads.
 
 ``--py-spy DIR`` also samples the server's scheduler process (the one running the forward passes)
 with py-spy (``pip install py-spy``) while each context is measured: the raw stacks go to
-``DIR/<backend>_tp<N>_<context>.txt`` (rank 0's scheduler under TP), and each result row gets
+``DIR/<variant>_tp<N>_<context>.txt`` (rank 0's scheduler under TP), and each result row gets
 ``extend_profile``, the functions under the attention backend's ``forward_extend`` (prefill) with
 their share of its samples.
 """
@@ -160,6 +167,84 @@ def extend_profile(raw_path: str, top: int = 10) -> list[list]:
     return [[name, round(n / max(1, total), 3)] for name, n in ranked] + [["samples", total], ["all samples", busy]]
 
 
+VARIANTS = {
+    "torch_native": "SGLang's torch_native backend",
+    "nosa": "the nosa backend, eager",
+    "nosa+compile": "the nosa backend under SGLang's CPU graph runner (--enable-torch-compile, one graph: the batch)",
+    "nosa+offload": "the nosa backend with offloading on (NOSA_OFFLOAD=1, page size = block size)",
+    "nosa+offload+compile": "offloading on, under the CPU graph runner",
+}
+
+
+def server_setup(variant: str, flags: list[str], cfg, batch: int, host_tokens: int, threads: int | None,
+                 tp: int = 1):
+    """(server arguments, environment) of a variant of VARIANTS at tensor-parallel size ``tp``."""
+    from nosa.serve.tools.process import cpu_binding
+
+    backend = "torch_native" if variant == "torch_native" else "nosa"
+    server_args, env = ["--attention-backend", backend, "--tp-size", str(tp), *flags], {}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if tp > 1:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
+    if "offload" in variant:
+        server_args += ["--page-size", str(cfg.block_size)]
+        env.update(NOSA_OFFLOAD="1", NOSA_HOST_KV_TOKENS=str(host_tokens),
+                   NOSA_DEVICE_KV_TOKENS=str(batch * cfg.topk_blocks * cfg.block_size))
+    if "compile" in variant:
+        server_args += ["--enable-torch-compile", "--cuda-graph-bs-decode", str(batch)]
+        import sgl_kernel
+
+        if getattr(sgl_kernel, "IS_NOSA_STANDIN", False):  # this checkout's stand-in declares the graph ops
+            standin = os.path.join(ROOT, "serve", "tools", "sgl_kernel_standin")
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (standin, os.environ.get("PYTHONPATH")) if p)
+    return server_args, env
+
+
+def ratios(results: list[dict], contexts: list[int], tp_sizes: list[int]) -> dict:
+    """Ratios of ms per decode step measured side by side (> 1: the first is slower): per context the
+    variants at the first TP size, each variant's longest context over its shortest, and per
+    variant and context the first TP size over each other one ("nosa 32768 tp2")."""
+    out = {}
+    first = [r for r in results if r["tp_size"] == tp_sizes[0]]
+    pairs = {"torch_native_over_nosa": ("torch_native", "nosa"), "nosa_over_nosa_compile": ("nosa", "nosa+compile"),
+             "offload_over_nosa": ("nosa+offload", "nosa"),
+             "offload_over_offload_compile": ("nosa+offload", "nosa+offload+compile")}
+    for context in contexts:
+        by = {r["backend"]: r["ms_per_decode_step"] for r in first if r["context"] == context}
+        out[str(context)] = {name: round(by[a] / by[b], 3) for name, (a, b) in pairs.items() if a in by and b in by}
+    for variant in VARIANTS:  # decode flat in context: the longest context's step over the shortest's
+        steps = [(r["context"], r["ms_per_decode_step"]) for r in first if r["backend"] == variant]
+        if len(steps) > 1:
+            out[f"{variant}_longest_over_shortest"] = round(max(steps)[1] / min(steps)[1], 3)
+    for r in results:
+        if r["tp_size"] != tp_sizes[0]:
+            base = next(b for b in first if b["backend"] == r["backend"] and b["context"] == r["context"])
+            out[f"{r['backend']} {r['context']} tp{r['tp_size']}"] = round(
+                base["ms_per_decode_step"] / r["ms_per_decode_step"], 3)
+    return out
+
+
+def profiled_measure(server, context: int, batch: int, new_tokens: int, spy_path: str | None) -> dict:
+    """``measure`` with the scheduler's CPU seconds; with ``spy_path``, py-spy samples the scheduler
+    meanwhile (raw stacks to that file) and the row gets ``extend_profile``."""
+    pid = scheduler_pid(server)
+    if spy_path is None:
+        return measure(server, context, batch, new_tokens, cpu_pid=pid)
+    os.makedirs(os.path.dirname(spy_path), exist_ok=True)
+    # py-spy as installed beside this Python (a venv's bin), else on PATH
+    py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy") or "py-spy"
+    # --nonblocking: samples without pausing the server, so the timings stand
+    spy = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", "50", "--nonblocking", "--format", "raw",
+                            "-o", spy_path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        row = measure(server, context, batch, new_tokens, cpu_pid=pid)
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        spy.wait(timeout=120)
+    return {**row, "extend_profile": extend_profile(spy_path)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 32768, 65536])
@@ -167,11 +252,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None,
                     help="OMP_NUM_THREADS of the servers (torch intra-op threads; default: all cores)")
-    ap.add_argument("--backends", nargs="+", default=["torch_native", "nosa"])
+    ap.add_argument("--backends", nargs="+", default=["torch_native", "nosa"], choices=list(VARIANTS),
+                    help="variants, each its own server in turn (see VARIANTS)")
+    ap.add_argument("--checkpoint", default=None,
+                    help="serve this checkpoint (e.g. the quickstart's runs/tiny/nosa), not the tiny random Llama")
     ap.add_argument("--tp-sizes", type=int, nargs="+", default=[1],
                     help="tensor-parallel sizes to run side by side (--tp-size of each server)")
     ap.add_argument("--evict-scale", type=float, default=0.0,
-                    help="> 0: a NOSA checkpoint with random eviction heads of this scale (default: dense, A = 0)")
+                    help="> 0: the tiny Llama as a NOSA checkpoint with random eviction heads of this scale "
+                         "(default: dense, A = 0)")
     ap.add_argument("--quick", action="store_true", help="contexts 4K and 8K, 32 new tokens")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "serve.json"))
     ap.add_argument("--py-spy", metavar="DIR", default=None,
@@ -183,70 +272,49 @@ def main() -> None:
         args.contexts, args.new_tokens = [4096, 8192], 32
 
     from nosa.config import NosaConfig
-    from nosa.serve.tools.process import ServerProcess, cpu_binding
+    from nosa.serve.checkpoint import load_nosa_config
+    from nosa.serve.tools.process import ServerProcess
 
     work = tempfile.mkdtemp(prefix="nosa_bench_")
-    ckpt = os.path.join(work, "tiny-llama")
-    build_model(ckpt, args.evict_scale)
+    ckpt = args.checkpoint
+    if ckpt is None:
+        ckpt = os.path.join(work, "tiny-llama")
+        build_model(ckpt, args.evict_scale)
+    cfg = load_nosa_config(ckpt)[0] if args.checkpoint else NosaConfig()
     max_ctx = max(args.contexts) + args.new_tokens + 16
+    host_tokens = args.batch * max_ctx + 1024
     flags = ["--skip-server-warmup", "--dtype", "float32", "--chunked-prefill-size", "-1",
              "--mem-fraction-static", "0.3", "--context-length", str(max_ctx),
-             "--max-total-tokens", str(args.batch * max_ctx + 1024),
-             "--max-running-requests", str(args.batch)]
-    # py-spy as installed beside this Python (a venv's bin), else on PATH
-    py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy") or "py-spy"
+             "--max-total-tokens", str(host_tokens), "--max-running-requests", str(args.batch)]
     results = []
-    for backend in args.backends:
+    for variant in args.backends:
         for tp in args.tp_sizes:
-            env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
-            if tp > 1:
-                env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
-            server = ServerProcess(ckpt, ["--attention-backend", backend, "--tp-size", str(tp), *flags],
-                                   os.path.join(work, f"{backend}_tp{tp}.log"), env=env).wait_ready()
+            server_args, env = server_setup(variant, flags, cfg, args.batch, host_tokens, args.threads, tp)
+            start = time.perf_counter()
+            server = ServerProcess(ckpt, server_args, os.path.join(work, f"{variant}_tp{tp}.log"), env=env).wait_ready(
+                timeout=1800)  # the compiled variants build their decode graph at start-up
+            startup = round(time.perf_counter() - start, 1)
             try:
                 measure(server, 512, args.batch, 16, warm_up=True)  # first-call costs of a fresh server
                 for context in args.contexts:
-                    spy = None
-                    if args.py_spy:
-                        os.makedirs(args.py_spy, exist_ok=True)
-                        raw = os.path.join(args.py_spy, f"{backend}_tp{tp}_{context}.txt")
-                        # --nonblocking: samples without pausing the server, so the timings stand
-                        spy = subprocess.Popen([py_spy, "record", "--pid", str(scheduler_pid(server)), "--rate",
-                                                "50", "--nonblocking", "--format", "raw", "-o", raw],
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    try:
-                        row = {"backend": backend, "tp_size": tp,
-                               **measure(server, context, args.batch, args.new_tokens, cpu_pid=scheduler_pid(server))}
-                    finally:
-                        if spy is not None:
-                            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-                            spy.wait(timeout=120)
-                    if spy is not None:
-                        row["extend_profile"] = extend_profile(raw)
+                    spy = os.path.join(args.py_spy, f"{variant}_tp{tp}_{context}.txt") if args.py_spy else None
+                    row = {"backend": variant, "tp_size": tp,
+                           **profiled_measure(server, context, args.batch, args.new_tokens, spy),
+                           "server_start_s": startup}
                     print(json.dumps(row), flush=True)
                     results.append(row)
             finally:
                 server.stop()
-    speedup, tp_speedup = {}, {}
-    for context in args.contexts:
-        by = {r["backend"]: r for r in results if r["context"] == context and r["tp_size"] == args.tp_sizes[0]}
-        if "nosa" in by and "torch_native" in by:
-            ratio = by["torch_native"]["ms_per_decode_step"] / by["nosa"]["ms_per_decode_step"]
-            speedup[str(context)] = round(ratio, 2)
-        for backend in args.backends:
-            by_tp = {r["tp_size"]: r for r in results if r["context"] == context and r["backend"] == backend}
-            for tp in args.tp_sizes[1:]:  # decode step of the first size over each other size's
-                ratio = by_tp[args.tp_sizes[0]]["ms_per_decode_step"] / by_tp[tp]["ms_per_decode_step"]
-                tp_speedup[f"{backend} {context} tp{tp}"] = round(ratio, 2)
-    report = {"model": "llama 2 layers, hidden 256, GQA 8/2, fp32, random weights",
-              "nosa_config": NosaConfig().to_dict(), "evict_scale": args.evict_scale, "device": "cpu",
-              "cpus": os.cpu_count(), "threads": args.threads, "command": " ".join(sys.argv),
-              "results": results, "decode_speedup_nosa_over_torch_native": speedup,
-              f"decode_speedup_over_tp{args.tp_sizes[0]}": tp_speedup}
+    report = {"model": f"checkpoint {args.checkpoint}" if args.checkpoint else
+              "llama 2 layers, hidden 256, GQA 8/2, fp32, random weights",
+              "nosa_config": cfg.to_dict(), "evict_scale": None if args.checkpoint else args.evict_scale,
+              "device": "cpu", "cpus": os.cpu_count(), "threads": args.threads, "command": " ".join(sys.argv),
+              "variants": {v: VARIANTS[v] for v in args.backends},
+              "results": results, "ratios": ratios(results, args.contexts, args.tp_sizes)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(json.dumps({"nosa_over_torch_native": speedup, f"over_tp{args.tp_sizes[0]}": tp_speedup}))
+    print(json.dumps(report["ratios"]))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: the kernel tests on CUDA, then the kernel and recall benchmarks, as JSON and logs.
+# The GPU check: the serving decode step captured in a CUDA graph and replayed against eager steps,
+# the kernel tests on CUDA, then the kernel and recall benchmarks, as JSON and logs.
 # Written for the lent H200 (its python3 holds torch, triton, transformers, pytest, hypothesis and
 # nvcc 13.0, but nothing can be fetched there): FlashInfer travels as wheels, made here once
 # (flashinfer-python is pure Python, ~59 MiB; with the tree the carry stays under its 64 MiB):
@@ -56,7 +57,14 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.gen.m
 step deps 30 bash -c "$PY -c 'import pytest, hypothesis; print(\"pytest\", pytest.__version__)' ;
   for m in flashinfer sgl_kernel sglang; do $PY -c \"import \$m; print('\$m', getattr(\$m, '__version__', '?'))\" 2>/dev/null || echo \"\$m: not installed (optional)\"; done"
 
-# 3. kernel tests on CUDA: every kernel against its torch reference, GPU-only tests included,
+# 3. the serving backend's decode step (nosa.serve.decode_step, offloading off and on: state pool,
+#    selection, block cache, recall from pinned host memory, attention) captured in a CUDA graph on a
+#    batch of padding rows, as SGLang's decode graph runner captures it, then replayed step after step
+#    against an eager copy of the same requests (graph_check.json: largest output difference, equal
+#    selections, eager vs replay ms). Needs no SGLang. Dry run on CPU: scripts/graph_check.py --device cpu
+step graph_check 120 $PY scripts/graph_check.py --device cuda --out "$OUT/graph_check.json"
+
+# 4. kernel tests on CUDA: every kernel against its torch reference, GPU-only tests included,
 #    plus the ahead-of-time compile for sm_90/sm_80. NOSA_KERNELS stays unset (auto): CUDA tensors
 #    take the kernels, and the spec tests that run on CPU tensors keep the reference (forcing
 #    triton there would need the interpreter); the dispatch tests set NOSA_KERNELS themselves.
@@ -66,7 +74,7 @@ step tests 200 env -u NOSA_KERNELS -u NOSA_DECODE_IMPL $PY -m pytest -q -p no:ca
     tests/test_kernels_prefill.py tests/test_kernels_dispatch.py tests/test_kernels_scores.py \
     tests/test_kernels_flashinfer.py tests/test_kernels_gpu.py tests/test_kernels_aot.py
 
-# 4. FlashInfer (the NOSA_DECODE_IMPL=flashinfer option): install it, JIT-build the NOSA variant once
+# 5. FlashInfer (the NOSA_DECODE_IMPL=flashinfer option): install it, JIT-build the NOSA variant once
 #    (nvcc, found through CUDA_HOME or PATH; the benchmark then reuses FlashInfer's JIT cache), and
 #    run its GPU test against the reference. Failures land in summary.json ("flashinfer").
 if [[ -z "${CUDA_HOME:-}" && -x /usr/local/cuda/bin/nvcc ]]; then
@@ -89,7 +97,7 @@ step flashinfer_build 120 $PY scripts/build_flashinfer_variant.py --out "$OUT/fl
 step flashinfer_tests 60 env -u NOSA_KERNELS -u NOSA_DECODE_IMPL $PY -m pytest -q -p no:cacheprovider -rs \
     --junitxml "$OUT/gpu_tests_flashinfer.xml" tests/test_kernels_gpu.py -k flashinfer
 
-# 5. benchmarks, each a set of ratios measured side by side in one run; kernels_gpu.json's decode
+# 6. benchmarks, each a set of ratios measured side by side in one run; kernels_gpu.json's decode
 #    rows hold Triton vs FlashInfer vs dense SDPA ("faster": which should be the default)
 step bench_kernels 150 env -u NOSA_DECODE_IMPL $PY scripts/bench_kernels.py --quick --out "$OUT/kernels_gpu.json"
 step bench_recall 90 $PY scripts/bench_recall.py --out "$OUT/recall_gpu.json"
@@ -104,6 +112,8 @@ for line in open(os.path.join(out, "steps.txt")):
 summary = {"steps": steps, "ok": all(s["rc"] == 0 for s in steps.values())}
 build = os.path.join(out, "flashinfer_build.json")
 summary["flashinfer"] = json.load(open(build)) if os.path.exists(build) else "not built (see flashinfer_install.log)"
+graphs = os.path.join(out, "graph_check.json")
+summary["graph_check"] = json.load(open(graphs)) if os.path.exists(graphs) else "not run (see graph_check.log)"
 kernels = os.path.join(out, "kernels_gpu.json")
 if os.path.exists(kernels):  # Triton vs FlashInfer per decode row: which should be NOSA_DECODE_IMPL's default
     rows = json.load(open(kernels)).get("decode_slots", [])

@@ -6,29 +6,38 @@ tokens of the batch; ``req_to_token[row, :seq_len]`` lists the slots of a reques
 A thin adapter: the selection, the decode step's seams and the prefill are nosa's, imported,
 never re-implemented, so that serving and the HF model pick the same blocks. Per forward pass
 ``init_forward_metadata`` builds the one ``ForwardStep`` (nosa.serve.step) every layer reads.
-A decode layer (``forward_decode``) runs the seams of nosa.decode in a straight line:
-select (``decode_select``, ``decode_blocks``) -> resolve (the KV view) -> prefetch the next
-layer's blocks (offloading with the recall scheduler) -> attend (``attend_resolved``).
+A decode layer (``forward_decode``) runs nosa.serve.decode_step.DecodeStep, a straight line on
+fixed shapes: select (the request states in nosa.state_pool.DecodeStatePool) -> resolve (the KV
+source) -> prefetch the next layer's blocks (offloading with the recall scheduler, when not
+captured) -> attend. Its host half runs in the metadata hooks before the step, so SGLang's graph
+runners can capture the rest: SGLang's CPU graph runner (``--enable-torch-compile`` on the CPU
+engine: ``init_cpu_graph_state``, ``init_forward_metadata_capture_cpu_graph``,
+``get_cpu_graph_seq_len_fill_value``) and the CUDA decode graph runner (``init_cuda_graph_state``,
+``init_forward_metadata_out_graph`` for the host half, ``init_forward_metadata_in_graph`` for the
+device copies recorded into the graph, ``get_cuda_graph_seq_len_fill_value``). Padding rows of a
+graph's batch are request row 0, which SGLang never gives a request: they write its spare state
+and the block cache's spare group, and count nowhere.
 What differs between the two modes is only where K, V and cis live, i.e. which KV view (nosa.kv)
 the layer reads through:
 - offloading off (default): SGLang's device pool [slots, Hkv, D] plus a cis buffer per layer kept
-  here, read in place (``nosa.kv.PagedKV``); extend runs ``prefill_from_pool``: nosa's prefill over
-  the context gathered from the pool, its cis read from the cis buffer;
+  here, read in place (``nosa.serve.decode_step.PoolKV``); extend runs ``prefill_from_pool``:
+  nosa's prefill over the context gathered from the pool, its cis read from the cis buffer;
 - offloading on ($NOSA_OFFLOAD=1): SGLang's pool is the host pool, and the offloading engine
-  (nosa.serve.offload.engine.OffloadEngine) gives each layer an ``OffloadKV``
-  (nosa.serve.offload.kv): decode resolves through the device block cache, extend runs
-  ``NosaDecodeState.prefill``, which reads only the union of each chunk's blocks. The engine also
-  prefetches ($NOSA_RECALL_SCHEDULER=1), counts each decode step and feeds admission
-  ($NOSA_ADMISSION=1) at its end; the package docstring of nosa.serve.offload maps its parts.
-Per-request state (one ``NosaDecodeState`` per (request row, layer)) lives in
-nosa.serve.states.RequestStates, attached to SGLang's ReqToTokenPool so that finishing, aborting
-or retracting a request frees it and its device block slots.
+  (nosa.serve.offload.engine.OffloadEngine) resolves a decode layer through the device block cache
+  and gives extend an ``OffloadKV`` (nosa.serve.offload.kv): ``NosaDecodeState.prefill`` reads only
+  the union of each chunk's blocks. The engine also prefetches ($NOSA_RECALL_SCHEDULER=1), counts
+  each decode step and feeds admission ($NOSA_ADMISSION=1); the package docstring of
+  nosa.serve.offload maps its parts.
+Per-request state (one ``NosaDecodeState`` per (request row, layer), its keys in the row's pages of
+the DecodeStatePool) lives in nosa.serve.states.RequestStates, attached to SGLang's ReqToTokenPool
+so that finishing, aborting or retracting a request frees it, its pages and its device block slots.
 Eviction scores cis = A * softplus(W v + b) come from the checkpoint's eviction heads
 (nosa.serve.checkpoint); a dense checkpoint has A = 0.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import NamedTuple
 
@@ -38,19 +47,19 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from nosa.attention.prefill import prefill_attention
-from nosa.decode import NosaDecodeState, attend_resolved, decode_blocks, decode_select
-from nosa.kv import PagedKV
+from nosa.decode import NosaDecodeState
 from nosa.serve.checkpoint import (
     load_eviction_heads,
     load_nosa_config,
     resolve_model_dir,
     zero_eviction_heads,
 )
-from nosa.serve.offload.block_cache import NewTokens
+from nosa.serve.decode_step import DecodeStep, PoolKV
 from nosa.serve.offload.settings import offload_enabled
 from nosa.serve.parallel import KVHeadShard
 from nosa.serve.states import RequestStates
-from nosa.serve.step import ForwardStep
+from nosa.serve.step import ForwardStep, captured
+from nosa.state_pool import DecodeStatePool, pages_for
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +115,15 @@ class NosaAttnBackend(AttentionBackend):
             self.offload = OffloadEngine.start(model_runner, self.config, self.num_layers, self.num_kv_heads,
                                                self.head_dim)
             self.states.attach_offload(self.offload)
+            kv, spare_group = self.offload, self.offload.cache.spare_group
         else:  # cis per pool slot, beside SGLang's K and V
             rows = self.token_to_kv_pool.get_key_buffer(0).shape[0]
             self.cis_pool = [torch.zeros(rows, self.num_kv_heads, device=self.device) for _ in range(self.num_layers)]
+            kv = PoolKV(self.token_to_kv_pool, self.cis_pool, self.req_to_token_pool.req_to_token, self.heads,
+                        self.config.block_size)
+            spare_group = None
+        self.decode = DecodeStep(self.config, self.num_layers, self.states, self.states.pool, kv, self.device,
+                                 spare_group)
 
     def _attach_states(self, model_runner) -> RequestStates:
         """One registry per ReqToTokenPool (a prefill and a decode nosa backend share it)."""
@@ -125,17 +140,73 @@ class NosaAttnBackend(AttentionBackend):
             raise ValueError(f"nosa backend: unsupported request pool {type(pool).__name__}")
         # dense_capacity: what the pool reports as schedulable tokens once an aux cache is attached;
         # NOSA reserves nothing, so it is the allocator's full size.
-        states = RequestStates(pool, self.num_layers, model_runner.token_to_kv_pool_allocator.size)
+        capacity = model_runner.token_to_kv_pool_allocator.size
+        states = RequestStates(pool, self.num_layers, capacity, self._state_pool(pool.req_to_token, capacity))
         pool.attach_aux_cache(states)
         return states
 
+    def _state_pool(self, req_to_token: torch.Tensor, capacity: int) -> DecodeStatePool:
+        """The decode states of every request row, for contexts up to the request pool's width; pages
+        for ``capacity`` tokens (the KV pool's), more if requests sharing a prefix need them."""
+        rows, max_context = req_to_token.shape
+        pool = DecodeStatePool(self.config, self.num_layers, rows, self.num_kv_heads, self.head_dim, max_context,
+                               pages_for(self.config, capacity, rows), self.token_to_kv_pool.dtype, self.device,
+                               key_tails=offload_enabled())  # else the step reads window keys from the pool
+        logger.info("nosa backend: decode states of %d request rows, contexts up to %d tokens: %.1f MiB",
+                    rows - 1, max_context, pool.nbytes / 2**20)
+        return pool
+
     # ---- AttentionBackend ------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch):
-        """Once per forward pass, before its layers: the step every layer reads."""
+        """Once per forward pass, before its layers: the step every layer reads; for a decode step
+        both halves of its metadata (a step SGLang runs eagerly, or the CPU graph runner's)."""
+        self.init_forward_metadata_out_graph(forward_batch)
+        if self.step.decode:
+            self.init_forward_metadata_in_graph(forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Host half (never captured; before capture and before every replay): the ForwardStep; for
+        a decode step the states caught up and given pages (nosa.serve.decode_step.DecodeStep.prepare).
+        Padding rows (row 0) of a graph's batch count as no request."""
         groups_of = self.offload.groups_of if self.offload is not None else None
         self.step = ForwardStep.of(forward_batch, self.req_to_token_pool.req_to_token, groups_of)
-        if self.offload is not None:
-            self.offload.begin(self.step)
+        self._begin(self.step)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        """Device half of a decode step's metadata (recorded into a CUDA graph: no host reads): the
+        batch's rows and lengths from the graph runner's buffers into the step's inputs."""
+        self.decode.fill(forward_batch.req_pool_indices, forward_batch.seq_lens)
+
+    def _begin(self, step: ForwardStep) -> None:
+        self.states.pool.recycle()
+        warm = self.offload.begin(step) if self.offload is not None else None
+        if step.decode:
+            self.decode.prepare(step, warm)
+
+    # ---- graph runners: SGLang's CPU graph runner (torch.compile) and CUDA graphs ------------------
+    def init_cpu_graph_state(self, max_bs: int, max_num_tokens: int):
+        """SGLang's CPU graph runner will compile decode batches of up to ``max_bs`` requests."""
+        self.decode.init_graph_state(max_bs)
+
+    def init_forward_metadata_capture_cpu_graph(self, bs, num_tokens, req_pool_indices, seq_lens, out_cache_loc,
+                                                encoder_lens, forward_mode, spec_info):
+        """The metadata of the batch the CPU graph runner compiles with (padding rows only)."""
+        groups_of = self.offload.groups_of if self.offload is not None else None
+        self.step = ForwardStep.decode_of(req_pool_indices.tolist(), seq_lens.tolist(),
+                                          self.req_to_token_pool.req_to_token, groups_of, req_pool_indices)
+        self._begin(self.step)
+        self.decode.fill(req_pool_indices, seq_lens)
+
+    def get_cpu_graph_seq_len_fill_value(self):
+        return 1
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        """SGLang's decode CUDA graph runner will capture batches of up to ``max_bs`` requests."""
+        self.decode.init_graph_state(max_bs)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        """Padding rows have one token (row 0 of req_to_token: slot 0, SGLang's padding slot)."""
+        return 1
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         """One layer of an extend (prefill, chunked prefill, prefix-cache hit): each request's new
@@ -159,25 +230,20 @@ class NosaAttnBackend(AttentionBackend):
         return io.out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        """One layer of a decode step for the whole batch: select -> resolve -> prefetch -> attend."""
+        """One layer of a decode step for the whole batch (nosa.serve.decode_step.DecodeStep.run_layer:
+        select -> resolve -> prefetch -> attend), on the inputs the metadata hooks prepared. Fixed
+        shapes and no host reads, so a graph runner can capture it."""
         self._check_layer(layer)
-        step, layer_id, block_size = self.step, layer.layer_id, self.config.block_size
+        layer_id = layer.layer_id
         io = self._layer_io(q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim), layer)
         cis = self._store_new_tokens(k, v, layer, forward_batch, save_kv_cache)  # [R, Hkv]
-        view = self._decode_view(layer_id, k, v, cis)
-        states = [self._caught_up_state(i, layer_id, view) for i in range(len(step.rows))]
-        # 1. select: one batched selection; the blocks each request reads (every one within dense_len)
-        wanted = decode_blocks(states, decode_select(states, io.q, layer.scaling))
-        # 2. resolve: where those blocks are (offloading: hits stay, misses recalled from the host)
-        found = view.resolve(wanted.blocks, wanted.lengths, block_size)
-        # 3. prefetch: the next layer's predicted blocks start moving while this layer attends
-        if self.offload is not None:
-            self.offload.prefetch(layer_id + 1, step, self.states)
-        # 4. attend
-        out, _ = attend_resolved(io.q, found, wanted.dense, block_size, layer.scaling)
-        io.o[:] = out
-        if self.offload is not None and layer_id == self.num_layers - 1:
-            self.offload.end_step()
+        prefetch = None
+        if self.offload is not None and not captured():
+            prefetch = functools.partial(self.offload.prefetch, layer_id + 1, self.step, self.states)
+        io.o[:] = self.decode.run_layer(layer_id, io.q, k.view(-1, self.num_kv_heads, self.head_dim),
+                                        v.view(-1, self.num_kv_heads, v.shape[-1]), cis, layer.scaling, prefetch)
+        if self.offload is not None and layer_id == self.num_layers - 1 and not captured():
+            self.offload.end_step()  # a captured step's record is made when the next forward begins
             self.states.write_stats(every=1.0)  # the dashboard's file, at most once a second
         return io.out
 
@@ -186,38 +252,14 @@ class NosaAttnBackend(AttentionBackend):
 
     # ---- helpers ---------------------------------------------------------------------------
     def _state(self, row, layer_id, fresh: bool, max_length: int | None = None) -> NosaDecodeState:
-        """The row's state; a new one for a fresh request or when the stored one is ahead of
-        ``max_length`` (the row was reused)."""
+        """The row's state; a new one (in the row's pages of the state pool) for a fresh request or
+        when the stored one is ahead of ``max_length`` (the row was reused)."""
         state = None if fresh else self.states.get(row, layer_id)
         if state is None or (max_length is not None and state.length > max_length):
-            state = NosaDecodeState(self.config, self.num_kv_heads, self.head_dim, device=self.device)
-            self.states.put(row, layer_id, state)
+            state = self.states.pool.open(row, layer_id)
+            if not self.states.put(row, layer_id, state):  # the request already left (overlap scheduling):
+                state = NosaDecodeState(self.config, self.num_kv_heads, self.head_dim, device=self.device)  # no pages
         return state
-
-    def _caught_up_state(self, i: int, layer_id: int, view) -> NosaDecodeState:
-        """The decode state of request ``i`` of the step, caught up with its context in ``view``
-        except the new token, whose selection the step computes."""
-        row, length = self.step.rows[i], self.step.lengths[i]
-        state = self._state(row, layer_id, fresh=False, max_length=length - 1)
-        if self.offload is None and state.length < length - 1:
-            # tokens another prefill backend wrote (--prefill-attention-backend torch_native) have no
-            # cis yet: compute it from the pool's V for the tokens the state is about to catch up on
-            missing = self.step.slots[i][state.length : length - 1].long()
-            v_buf = self.token_to_kv_pool.get_value_buffer(layer_id)
-            self.cis_pool[layer_id][missing] = self.heads[layer_id](v_buf[missing])
-        state.append(view, seq=i)
-        return state
-
-    def _decode_view(self, layer_id: int, k, v, cis):
-        """The KV view a decode layer reads through; with offloading it writes the new tokens (k, v
-        [R, Hkv*D], cis [R, Hkv]) through into the device block cache."""
-        if self.offload is not None:
-            new = NewTokens(k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, v.shape[-1]),
-                            cis)
-            return self.offload.view(layer_id, self.step, new)
-        pool = self.token_to_kv_pool
-        return PagedKV(pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id), self.cis_pool[layer_id],
-                       self.req_to_token_pool.req_to_token, self.step.table_rows, self.step.lengths)
 
     def _prefill_from_pool(self, q, slots, layer) -> torch.Tensor:
         """NOSA prefill of one request's new rows q [n, Hq, D] over its whole context in SGLang's

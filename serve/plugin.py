@@ -29,7 +29,7 @@ def register() -> None:
         add_attention_backend_choices([BACKEND_NAME])
     register_attention_backend(BACKEND_NAME)(create_nosa_backend)
     validate.install()
-    cuda_graphs.install()  # CUDA: graphs off where nosa serves (no capture path yet), logged
+    cuda_graphs.install()  # CUDA: decode graphs on, prefill graphs off where nosa serves prefill, logged
     parallel.install()  # CPU only: --tp-size N starts without PyNccl (SGLang asks for it regardless)
     _install_offload_hooks()
     _register_checkpoint_format()

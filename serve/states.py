@@ -1,6 +1,7 @@
 """Per-request NOSA decode state, owned by the backend and freed with the request.
 
-One ``NosaDecodeState`` per (req_to_token row, layer). The registry is attached to SGLang's
+One ``NosaDecodeState`` per (req_to_token row, layer), its keys in the row's pages of the
+backend's nosa.state_pool.DecodeStatePool (given back when the row is freed). The registry is attached to SGLang's
 ReqToTokenPool as its aux cache, so ``free(row)`` runs when a request finishes, is aborted or is
 retracted (ReqToTokenPool.free_rows) and ``clear()`` when the pool is flushed. Rows are reused by
 later requests; the pool's per-row generation counter (bumped on every allocation) guards against
@@ -27,8 +28,9 @@ ENV_STATS_FILE = "NOSA_SERVE_STATS_FILE"  # debug: the registry writes its count
 class RequestStates:
     """Decode states keyed by row, tagged with the row's generation when created."""
 
-    def __init__(self, req_to_token_pool, num_layers: int, dense_capacity: int):
-        self.pool = req_to_token_pool
+    def __init__(self, req_to_token_pool, num_layers: int, dense_capacity: int, state_pool):
+        self.req_pool = req_to_token_pool
+        self.pool = state_pool  # nosa.state_pool.DecodeStatePool: where the states keep their keys
         self.num_layers = num_layers
         self.dense_capacity = dense_capacity  # ReqToTokenPool.schedulable_token_capacity reads it
         self._rows: dict[int, tuple[int, list[NosaDecodeState | None]]] = {}
@@ -47,7 +49,7 @@ class RequestStates:
         self.offload = engine
 
     def _generation(self, row: int) -> int:
-        return int(self.pool.req_generation[row])
+        return int(self.req_pool.req_generation[row])
 
     # ---- used by the backend ---------------------------------------------------------------
     def get(self, row: int, layer: int) -> NosaDecodeState | None:
@@ -61,18 +63,24 @@ class RequestStates:
                 return None
             return layers[layer]
 
-    def put(self, row: int, layer: int, state: NosaDecodeState) -> None:
+    def put(self, row: int, layer: int, state: NosaDecodeState) -> bool:
+        """Keep ``state``; False (nothing kept, the row's pages given back) when the request of
+        ``row`` was already released (overlap scheduling)."""
         with self._lock:
             generation = self._generation(row)
-            if self._freed.get(row) == generation:
-                return  # the request was already released (overlap scheduling): keep nothing
-            entry = self._rows.get(row)
-            if entry is None or entry[0] != generation:
-                entry = (generation, [None] * self.num_layers)
-                self._rows[row] = entry
-            entry[1][layer] = state
+            released = self._freed.get(row) == generation
+            if not released:
+                entry = self._rows.get(row)
+                if entry is None or entry[0] != generation:
+                    entry = (generation, [None] * self.num_layers)
+                    self._rows[row] = entry
+                entry[1][layer] = state
+        if released:
+            self.pool.release(row)
+            return False
         if layer in (0, self.num_layers - 1):  # a new request shows at once; not once per layer (the
             self._write_stats()  # file may carry the offloading timeline, nosa.serve.offload.stats)
+        return True
 
     def counts(self) -> dict:
         with self._lock:
@@ -91,6 +99,7 @@ class RequestStates:
             self._rows.pop(row, None)
             self._freed[row] = self._generation(row)
             self.freed_total += 1
+        self.pool.release(row)
         if self.offload is not None:
             self.offload.release(row)
         self._write_stats()
@@ -99,6 +108,8 @@ class RequestStates:
         with self._lock:
             rows = list(self._rows)
             self._rows.clear()
+        for row in rows:
+            self.pool.release(row)
         if self.offload is not None:
             for row in rows:
                 self.offload.release(row)

@@ -155,3 +155,25 @@ def test_released_defaults_pin_the_selection():
     assert sel[1].tolist() == [0] + list(range(17, 80))  # A = 0: the rest by query score (InfLLM-v2)
     for h in range(2):
         assert sel[h].tolist() == oracle_select(qs[0, h].tolist(), evict[0, h].tolist(), t, cfg)
+
+
+@pytest.mark.parametrize("heads", ["live", "dead", "mixed"])
+def test_branch_free_selection_is_the_same(heads):
+    """select_blocks(..., branch_free=True), the variant a captured decode step runs, picks the same
+    blocks with every head live, none (A = 0) and a mix (a head whose eviction scores are all 0)."""
+    torch.manual_seed(5)
+    cfg = NosaConfig.tiny(topk_blocks=6, query_blocks=2, window_blocks=2)
+    length, hq, hkv, d = 220, 4, 2, 8
+    q, k = torch.randn(length, hq, d), torch.randn(length, hkv, d)
+    cis = torch.randn(length, hkv)
+    if heads != "live":
+        cis[:, 0] = 0.0
+    if heads == "dead":
+        cis[:, 1] = 0.0
+    cis[96:128] = cis[32:64]  # exact ties
+    nb = cfg.num_blocks(length)
+    positions = torch.arange(length)
+    qs = query_block_scores(q, compress_windows(k, cfg), positions, nb, cfg, d**-0.5)
+    evict = block_eviction_scores(cis, cfg, nb)[None]
+    assert torch.equal(select_blocks(qs, evict, positions, cfg, branch_free=True),
+                       select_blocks(qs, evict, positions, cfg))

@@ -6,17 +6,22 @@ the device budget's request count; request row r of SGLang's ReqToTokenPool owns
 ``blocks[layer]`` [G, Hkv, NS] says which block each slot holds (-1: none). The KV view that
 decode and prefill read through is nosa.serve.offload.kv.OffloadKV; it calls ``resolve``.
 
-Resolve, per layer and step, for the whole batch at once:
+Resolve, per layer and step, for the whole batch at once (``resolve_step``: tensors of fixed
+shapes only and no host synchronisation, so a decode step can be captured):
 1. diff the blocks the step needs (the selection; every block for a dense request) against the
    resident ones: hits keep their slot; misses take the slots whose blocks are no longer needed
    (empty slots first);
 2. recall the misses from the host pool with ONE batched gather-scatter (nosa.ops.copy_items: K,
-   V and cis together, fixed-length index lists padded with -1);
+   V and cis together, index lists of fixed length padded with -1);
 3. write the step's new token into its block's slot from the freshly computed K/V (the host pool
    got it too: write-through), so a resident tail block never needs a recall;
-4. return the device rows attention reads (nosa.kv.DeviceRows).
-A group whose resident blocks went stale (tokens written other than by a decode step, e.g. a
-prefill chunk) drops those blocks before the diff, so they are recalled.
+4. count, in device tensors (``stats`` reads them on the host, between steps);
+5. return the device rows attention reads (nosa.kv.DeviceRows).
+The host side runs before: a group whose resident blocks went stale (tokens written other than by
+a decode step, e.g. a prefill chunk) drops those blocks, so they are recalled (``begin_decode``
+for every layer before a step; ``resolve`` does it per layer and wraps ``resolve_step`` with the
+prefetch claim). A captured batch's padding rows resolve in the spare group (one more than the
+requests), which no request owns.
 
 Scheduling (``scheduler``: nosa.serve.offload.recall): the misses are a demand copy (prefetching
 pauses at its next chunk boundary meanwhile) and the layer waits only for them;
@@ -34,9 +39,10 @@ group: without admission all NS slots, so column g * NS + j is simply slot j of 
 admission, groups own ``home = topk`` columns and may borrow idle groups' columns as extra slots
 (``set_extra``); a group that starts takes its own columns back (``activate``).
 
-Counters (``stats``): per layer, selected blocks, hits (prefetch hits included), misses (= items
-recalled on demand), recalled bytes, prefetched / prefetch_hits / prefetch_dropped items, recall
-and stall seconds of synchronous copies (without a scheduler; with one, see its ``stats``),
+Counters (``stats``, kept on the device by the step): per layer, selected blocks, hits (prefetch
+hits included), misses (= items recalled on demand), recalled bytes, prefetched / prefetch_hits /
+prefetch_dropped items, recall and stall seconds of synchronous copies (without a scheduler; with
+one, see its ``stats``; not measured in a captured step),
 and for "warm" steps (the group's previous step was a decode step, so the cache is in steady
 state) selected blocks, hits and the most misses one (request, KV head) had: the locality bound
 says at most query_blocks + 1 for heads with A != 0.
@@ -52,12 +58,15 @@ import torch
 
 from nosa.kv import DeviceRows
 from nosa.serve.offload.recall import PREFETCH, Transfer
+from nosa.serve.step import captured
 
 # What a slot offers a miss in the slot diff, best first (the key misses sort the slots by).
 EMPTY_SLOT = 0  # holds no block
 STALE_SLOT = 1  # holds a block this step does not want: evicted for the miss
 KEPT_SLOT = 2  # holds a block this step wants
 NO_COLUMN = 3  # an extra slot (admission) with no borrowed column behind it
+
+COUNT_KEYS = ("steps", "selected", "hits", "misses", "warm_selected", "warm_hits", "prefetch_hits")
 
 
 class NewTokens(NamedTuple):
@@ -96,34 +105,36 @@ class DeviceBlockCache:
             raise ValueError(f"DeviceBlockCache: home_slots={self.home} must be in [1, {slots_per_head}] "
                              "(slots_per_head)")
         self.scheduler = scheduler
-        items = num_groups * num_kv_heads * self.home
+        # one more group than requests, the spare group: a captured step's padding rows resolve there
+        self.spare_group = num_groups
+        stored = num_groups + 1
+        items = stored * num_kv_heads * self.home
         # slot -> physical column; a group's own columns first, extra slots (j >= home) borrowed
-        self.col_of = torch.full((num_groups, slots_per_head), -1, dtype=torch.long, device=device)
-        self.col_of[:, : self.home] = torch.arange(num_groups * self.home, device=device).view(num_groups, self.home)
+        self.col_of = torch.full((stored, slots_per_head), -1, dtype=torch.long, device=device)
+        self.col_of[:, : self.home] = torch.arange(stored * self.home, device=device).view(stored, self.home)
         self.lent: dict[int, Loan] = {}  # column -> the borrower's group and slot
         self.active: set[int] = set()
         self.k = [torch.zeros(items, block_size, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(items, block_size, v_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.cis = [torch.zeros(items, block_size, dtype=torch.float32, device=device) for _ in range(num_layers)]
-        self.blocks = [torch.full((num_groups, num_kv_heads, slots_per_head), -1, dtype=torch.long, device=device)
+        self.blocks = [torch.full((stored, num_kv_heads, slots_per_head), -1, dtype=torch.long, device=device)
                        for _ in range(num_layers)]
         # tokens of each group's sequence reflected in its resident blocks, per layer
         self.synced = [[0] * num_groups for _ in range(num_layers)]
         self.warm = [[False] * num_groups for _ in range(num_layers)]
         self.item_bytes = block_size * (head_dim * self.k[0].element_size() + v_head_dim * self.v[0].element_size() + 4)
         self._lock = threading.RLock()
-        self.prefetched = [torch.zeros(num_groups, num_kv_heads, slots_per_head, dtype=torch.bool, device=device)
+        self.prefetched = [torch.zeros(stored, num_kv_heads, slots_per_head, dtype=torch.bool, device=device)
                            for _ in range(num_layers)]
         self.pending: dict[int, PendingPrefetch] = {}  # layer -> its prefetch in flight
         # warm_*: steps whose group decoded at the previous step too (the cache is in steady state)
         # prefetched: items a prefetch landed; prefetch_hits: wanted blocks resident thanks to one
-        self.stats = {key: [0] * num_layers for key in
-                      ("selected", "hits", "misses", "recalled_bytes", "steps",
-                       "warm_selected", "warm_hits", "max_warm_misses", "prefetched", "prefetch_hits",
-                       "prefetch_dropped")}
-        for key in ("recall_seconds", "stall_seconds"):  # synchronous copies (no scheduler)
-            self.stats[key] = [0.0] * num_layers
-        self.group_bytes: dict[int, int] = {}  # bytes recalled per group this decode step (admission)
+        # counters a step adds on the device (``_count``; COUNT_KEYS), and those the host side keeps
+        self.counts = torch.zeros(num_layers, len(COUNT_KEYS), dtype=torch.long, device=device)
+        self.max_warm_misses = torch.zeros(num_layers, dtype=torch.long, device=device)
+        self.group_misses = torch.zeros(stored, dtype=torch.long, device=device)  # items per group (admission)
+        self.host_stats = {"prefetched": [0] * num_layers, "prefetch_dropped": [0] * num_layers,
+                           "recall_seconds": [0.0] * num_layers, "stall_seconds": [0.0] * num_layers}
 
     def group_of(self, row: int) -> int:
         group = row - 1
@@ -132,8 +143,9 @@ class DeviceBlockCache:
         return group
 
     def groups_of(self, rows: list[int]) -> torch.Tensor:
-        """[R] long: the device group of each request row (what resolve and prefetch take)."""
-        return torch.tensor([self.group_of(r) for r in rows], device=self.col_of.device)
+        """[R] long: the device group of each request row (what resolve and prefetch take); the
+        spare group for row 0, a captured batch's padding row."""
+        return torch.tensor([self.group_of(r) if r else self.spare_group for r in rows], device=self.col_of.device)
 
     def release(self, row: int) -> None:
         """Forget a request's resident blocks (finished, aborted, retracted): its slots are free."""
@@ -273,15 +285,30 @@ class DeviceBlockCache:
         if landed < g_of.numel():
             blocks[g_of[landed:], h_of[landed:], s_of[landed:]] = -1
         self.prefetched[layer][g_of[:landed], h_of[:landed], s_of[:landed]] = True
-        self.stats["prefetched"][layer] += landed
-        self.stats["prefetch_dropped"][layer] += int(g_of.numel()) - landed
+        self.host_stats["prefetched"][layer] += landed
+        self.host_stats["prefetch_dropped"][layer] += int(g_of.numel()) - landed
 
     def release_all(self) -> None:
         for row in range(1, self.groups + 1):
             self.release(row)
 
     def resident_slots(self) -> int:
-        return int(sum(int((b >= 0).sum()) for b in self.blocks))
+        return int(sum(int((b[: self.groups] >= 0).sum()) for b in self.blocks))
+
+    def begin_decode(self, groups: list[int], lengths: list[int]) -> list[bool]:
+        """A decode step of groups ``groups`` with contexts ``lengths`` (the new token included) is
+        about to run (host side, before a step that may be captured): each group drops its blocks
+        that went stale in every layer (tokens written other than by a decode step, e.g. a prefill
+        chunk, are in the host pool only) and is recorded as synced after the step. Returns whether
+        each group was warm (its previous step was a decode step; the counters' steady state)."""
+        warm = []
+        with self._lock:
+            for g, n in zip(groups, lengths):
+                warm.append(self.warm[0][g] and self.synced[0][g] == n - 1)
+                for layer in range(len(self.blocks)):
+                    self._drop_stale(layer, g, n - 1)
+                    self.synced[layer][g], self.warm[layer][g] = n, True
+        return warm
 
     def resolve(self, layer: int, groups: torch.Tensor, wanted: torch.Tensor, lengths: list[int],
                 pages: torch.Tensor, host_items, new_tokens: NewTokens | None = None) -> DeviceRows:
@@ -290,11 +317,9 @@ class DeviceBlockCache:
         groups [R]: the requests' device groups (``groups_of``); lengths: their context lengths
         (tokens); pages [R, Hkv, W]: the host page of each wanted block; host_items: the layer's
         (k, v, cis) item views of the host pool. new_tokens: the step's last token of each request
-        (decode), written into its block's slot.
+        (decode), written into its block's slot. The host side around ``resolve_step``: stale blocks
+        dropped, the layer's prefetch claimed, the groups recorded as synced.
         """
-        from nosa import ops
-
-        blocks = self.blocks[layer]
         with self._lock:
             self._settle(layer)
             warm = []
@@ -304,77 +329,101 @@ class DeviceBlockCache:
                 fresh = lengths[i] - (1 if new_tokens is not None else 0)
                 warm.append(self.warm[layer][g] and self.synced[layer][g] == fresh)
                 self._drop_stale(layer, g, fresh)
-            current = blocks.index_select(0, groups)  # [R, Hkv, NS]
-            # The diff runs as if no prefetch had happened (prefetched slots count as empty), so the
-            # slot map after this resolve is exactly the one without prefetch; a selected block that
-            # a prefetch landed is then moved on the device to the slot the diff gave it (a
-            # prefetch hit) instead of being recalled from the host (a demand miss).
-            prefetched = None
-            if self.scheduler is not None:
-                prefetched = self.prefetched[layer].index_select(0, groups)  # [R, Hkv, NS]
-                self.prefetched[layer].index_fill_(0, groups, False)
-                prefetched = prefetched if bool(prefetched.any()) else None
-            virtual = current if prefetched is None else torch.where(prefetched, -1, current)
-            valid_w = wanted[..., None, :] >= 0
-            match = (virtual[..., :, None] == wanted[..., None, :]) & valid_w  # [R, Hkv, NS, W]
-            keep = match.any(dim=-1)  # slot holds a wanted block
-            hit = match.any(dim=-2)  # wanted block already resident
-            miss = (wanted >= 0) & ~hit  # [R, Hkv, W]
-            if prefetched is None:
-                landed, prefetch_hit, demand = None, torch.zeros_like(miss), miss
-            else:
-                landed = (current[..., :, None] == wanted[..., None, :]) & valid_w & prefetched[..., None]
-                prefetch_hit = landed.any(dim=-2) & miss
-                demand = miss & ~prefetch_hit
-            # misses take the free slots in order: empty ones first, then those whose block left
-            # (slots without a column, i.e. extra slots not granted, never)
-            usable = (self.col_of.index_select(0, groups) >= 0)[:, None, :]
-            offer = torch.where(keep, KEPT_SLOT, torch.where(virtual >= 0, STALE_SLOT, EMPTY_SLOT))
-            offer = torch.where(usable, offer, NO_COLUMN)
-            free_slots = offer.sort(dim=-1, stable=True).indices  # [R, Hkv, NS]
-            rank = (miss.cumsum(dim=-1) - 1).clamp(min=0)
-            dst_slot = free_slots.gather(-1, rank)  # [R, Hkv, W] slot of each miss
-            new = _place(virtual, dst_slot, wanted, miss, self.ns)
-            blocks.index_copy_(0, groups, new)
-            # where each wanted block now sits
-            slot_of = torch.where(hit, (match.long().argmax(dim=-2)), dst_slot)  # [R, Hkv, W]
-            item = self._items(groups, slot_of)  # device item of each wanted block
-            dst_bufs = [self.k[layer], self.v[layer], self.cis[layer]]
-            move = None if landed is None else prefetch_hit & (landed.long().argmax(dim=-2) != dst_slot)
-            if move is not None and bool(move.any()):  # read every source first: a destination may be another's
+            prefetched = self.claim_prefetch(layer, groups) if self.scheduler is not None else None
+            device = wanted.device
+            found = self.resolve_step(layer, groups, wanted, torch.tensor(lengths, device=device), pages, host_items,
+                                      new_tokens, torch.tensor(warm, device=device), prefetched=prefetched)
+            for g, n in zip(groups.tolist(), lengths):
+                self.synced[layer][g] = n
+                self.warm[layer][g] = new_tokens is not None
+        return found
+
+    def claim_prefetch(self, layer: int, groups: torch.Tensor) -> torch.Tensor | None:
+        """Host side, before the layer resolves: its prefetch is claimed (landed items resident, the
+        rest dropped); [R, Hkv, NS] the slots of ``groups`` it landed, or None when it landed none."""
+        with self._lock:
+            self._settle(layer)
+            prefetched = self.prefetched[layer].index_select(0, groups)  # [R, Hkv, NS]
+            self.prefetched[layer].index_fill_(0, groups, False)
+        return prefetched if bool(prefetched.any()) else None
+
+    def resolve_step(self, layer: int, groups: torch.Tensor, wanted: torch.Tensor, lengths: torch.Tensor,
+                     pages: torch.Tensor, host_items, new_tokens: NewTokens | None, warm: torch.Tensor,
+                     real: torch.Tensor | None = None, prefetched: torch.Tensor | None = None) -> DeviceRows:
+        """The device side of ``resolve``, shape-static and without host synchronisation (a decode
+        step that may be captured): the slot diff, one batched recall (index lists of the fixed
+        width R * Hkv * W, -1 where nothing is missing: a cold step may miss every wanted block, a
+        warm one at most query_blocks + 1 per KV head when the eviction heads are on), the
+        write-through of the new tokens and the counters, kept on the device.
+
+        lengths [R] long; warm [R] bool (counters); real [R] bool, False for padding rows (their
+        group is the spare group; counted nowhere). ``prefetched`` [R, Hkv, NS]: slots a prefetch
+        landed (host side only: ``resolve`` passes it)."""
+        from nosa import ops
+
+        blocks = self.blocks[layer]
+        current = blocks.index_select(0, groups)  # [R, Hkv, NS]
+        # The diff runs as if no prefetch had happened (prefetched slots count as empty), so the
+        # slot map after this resolve is exactly the one without prefetch; a selected block that
+        # a prefetch landed is then moved on the device to the slot the diff gave it (a prefetch
+        # hit) instead of being recalled from the host (a demand miss).
+        virtual = current if prefetched is None else torch.where(prefetched, -1, current)
+        valid_w = wanted[..., None, :] >= 0
+        match = (virtual[..., :, None] == wanted[..., None, :]) & valid_w  # [R, Hkv, NS, W]
+        keep = match.any(dim=-1)  # slot holds a wanted block
+        hit = match.any(dim=-2)  # wanted block already resident
+        miss = (wanted >= 0) & ~hit  # [R, Hkv, W]
+        if prefetched is None:
+            landed, prefetch_hit, demand = None, torch.zeros_like(miss), miss
+        else:
+            landed = (current[..., :, None] == wanted[..., None, :]) & valid_w & prefetched[..., None]
+            prefetch_hit = landed.any(dim=-2) & miss
+            demand = miss & ~prefetch_hit
+        # misses take the free slots in order: empty ones first, then those whose block left
+        # (slots without a column, i.e. extra slots not granted, never)
+        usable = (self.col_of.index_select(0, groups) >= 0)[:, None, :]
+        offer = torch.where(keep, KEPT_SLOT, torch.where(virtual >= 0, STALE_SLOT, EMPTY_SLOT))
+        offer = torch.where(usable, offer, NO_COLUMN)
+        free_slots = offer.sort(dim=-1, stable=True).indices  # [R, Hkv, NS]
+        rank = (miss.cumsum(dim=-1) - 1).clamp(min=0)
+        dst_slot = free_slots.gather(-1, rank)  # [R, Hkv, W] slot of each miss
+        blocks.index_copy_(0, groups, _place(virtual, dst_slot, wanted, miss, self.ns))
+        # where each wanted block now sits
+        slot_of = torch.where(hit, (match.long().argmax(dim=-2)), dst_slot)  # [R, Hkv, W]
+        item = self._items(groups, slot_of)  # device item of each wanted block
+        dst_bufs = [self.k[layer], self.v[layer], self.cis[layer]]
+        if landed is not None:
+            move = prefetch_hit & (landed.long().argmax(dim=-2) != dst_slot)
+            if bool(move.any()):  # read every source first: a destination may be another's
                 src_items = self._items(groups, landed.long().argmax(dim=-2))[move]
                 moved = [t.index_select(0, src_items) for t in dst_bufs]
                 for t, m in zip(dst_bufs, moved):
                     t.index_copy_(0, item[move], m)
-            # 2. one batched recall for every request and KV head of the batch
-            heads = torch.arange(self.hkv, device=wanted.device)[None, :, None]
-            src = torch.where(demand, pages * self.hkv + heads, -1).flatten()
-            dst = torch.where(demand, item, -1).flatten()
-            if self.scheduler is not None:  # prefetching pauses while this layer's own misses are copied
-                which = demand.flatten().nonzero().flatten()
-                self.scheduler.demand(layer, dst_bufs, list(host_items), dst.index_select(0, which),
-                                      src.index_select(0, which))
-            else:
-                start = time.perf_counter()
-                ops.copy_items(dst_bufs, list(host_items), dst, src)
-                seconds = time.perf_counter() - start  # CPU: the copy; CUDA: its launch only
-                self.stats["recall_seconds"][layer] += seconds
-                self.stats["stall_seconds"][layer] += seconds
-            # 3. the new token of each request into its block's slot (write-through; no recall needed)
-            if new_tokens is not None:
-                self._write_tokens(layer, wanted, item, lengths, new_tokens)
-            for g, n in zip(groups.tolist(), lengths):
-                self.synced[layer][g] = n
-                self.warm[layer][g] = new_tokens is not None
-            self._count(layer, wanted, hit | prefetch_hit, demand, warm)
-            self.stats["prefetch_hits"][layer] += int(prefetch_hit.sum())
-            for g, n in zip(groups.tolist(), demand.sum(dim=(1, 2)).tolist()):
-                self.group_bytes[g] = self.group_bytes.get(g, 0) + int(n) * self.item_bytes
+        # 2. one batched recall for every request and KV head of the batch
+        heads = torch.arange(self.hkv, device=wanted.device)[None, :, None]
+        src = torch.where(demand, pages * self.hkv + heads, -1).flatten()
+        dst = torch.where(demand, item, -1).flatten()
+        if captured():
+            ops.copy_items(dst_bufs, list(host_items), dst, src)
+        elif self.scheduler is not None:  # prefetching pauses while this layer's own misses are copied
+            which = demand.flatten().nonzero().flatten()
+            self.scheduler.demand(layer, dst_bufs, list(host_items), dst.index_select(0, which),
+                                  src.index_select(0, which))
+        else:
+            start = time.perf_counter()
+            ops.copy_items(dst_bufs, list(host_items), dst, src)
+            seconds = time.perf_counter() - start  # CPU: the copy; CUDA: its launch only
+            self.host_stats["recall_seconds"][layer] += seconds
+            self.host_stats["stall_seconds"][layer] += seconds
+        # 3. the new token of each request into its block's slot (write-through; no recall needed)
+        if new_tokens is not None:
+            self._write_tokens(layer, wanted, item, lengths, new_tokens)
+        self._count(layer, groups, wanted, hit | prefetch_hit, demand, prefetch_hit, warm, real)
         # 4. rows of the resolved blocks: item * B + token offset
         offsets = torch.arange(self.block, device=wanted.device)
         token_rows = (item[..., None] * self.block + offsets).flatten(-2)  # [R, Hkv, W*B]
         positions = (wanted.clamp(min=0)[..., None] * self.block + offsets).flatten(-2)
-        length_t = torch.tensor(lengths, device=wanted.device)[:, None, None]
+        length_t = lengths[:, None, None]
         valid = (wanted >= 0).repeat_interleave(self.block, dim=-1) & (positions < length_t)
         fill = (length_t - wanted * self.block).clamp(0, self.block).int()
         return DeviceRows(self.k[layer].view(-1, self.k[layer].shape[-1]),
@@ -387,7 +436,7 @@ class DeviceBlockCache:
         from nosa import ops
 
         k_new, v_new, cis_new = new_tokens
-        last = torch.tensor(lengths, device=wanted.device) - 1
+        last = lengths - 1
         here = wanted == (last // self.block)[:, None, None]  # [R, Hkv, W]: the tail block
         slot_item = torch.where(here, item, -1).max(dim=-1).values  # [R, Hkv]
         dst = (slot_item * self.block + (last % self.block)[:, None]).flatten()
@@ -400,19 +449,42 @@ class DeviceBlockCache:
                         v_new.reshape(dst.numel(), -1).to(dst_v.dtype).contiguous(),
                         cis_new.reshape(-1, 1).float()], dst, src)
 
-    def _count(self, layer, wanted, hit, miss, warm) -> None:
-        s = self.stats
-        s["steps"][layer] += 1
-        s["selected"][layer] += int((wanted >= 0).sum())
-        s["hits"][layer] += int(hit.sum())
-        misses = miss.sum(dim=-1)  # [R, Hkv]
-        s["misses"][layer] += int(misses.sum())
-        s["recalled_bytes"][layer] += int(misses.sum()) * self.item_bytes
-        warm_t = torch.tensor(warm, device=misses.device)
-        if bool(warm_t.any()):
-            s["warm_selected"][layer] += int((wanted[warm_t] >= 0).sum())
-            s["warm_hits"][layer] += int(hit[warm_t].sum())
-            s["max_warm_misses"][layer] = max(s["max_warm_misses"][layer], int(misses[warm_t].max()))
+    def _count(self, layer, groups, wanted, hit, miss, prefetch_hit, warm, real) -> None:
+        """Add the step's counters on the device (read on the host with ``stats``, outside a step)."""
+        counted = warm.new_ones(warm.shape) if real is None else real
+        warm = warm & counted
+        w = counted[:, None, None]
+        misses = (miss & w).sum(dim=-1)  # [R, Hkv]
+        selected = (wanted >= 0) & w
+        warm_w = warm[:, None, None]
+        add = torch.stack([torch.ones_like(misses[0, 0]), selected.sum(), (hit & w).sum(), misses.sum(),
+                           (selected & warm_w).sum(), (hit & w & warm_w).sum(), (prefetch_hit & w).sum()])
+        self.counts[layer] += add
+        warm_misses = torch.where(warm[:, None], misses, 0).amax() if misses.numel() else misses.new_zeros(())
+        self.max_warm_misses[layer] = torch.maximum(self.max_warm_misses[layer], warm_misses)
+        self.group_misses.index_add_(0, groups, misses.sum(dim=-1))
+
+    @property
+    def stats(self) -> dict[str, list]:
+        """Per layer counters (a host read of the device counters: not inside a step): steps, selected,
+        hits (prefetch hits included), misses (= items recalled on demand), recalled_bytes,
+        warm_selected / warm_hits / max_warm_misses, prefetched / prefetch_hits / prefetch_dropped,
+        recall_seconds / stall_seconds (copies without a scheduler, not measured in captured steps)."""
+        counts = self.counts.tolist()
+        out = {key: [c[i] for c in counts] for i, key in enumerate(COUNT_KEYS)}
+        out["recalled_bytes"] = [m * self.item_bytes for m in out["misses"]]
+        out["max_warm_misses"] = self.max_warm_misses.tolist()
+        for key, values in self.host_stats.items():
+            out[key] = list(values)
+        return out
+
+    def step_group_bytes(self) -> dict[int, int]:
+        """Bytes recalled per device group since ``clear_group_bytes`` (admission's per-request demand)."""
+        misses = self.group_misses[: self.groups].tolist()
+        return {g: n * self.item_bytes for g, n in enumerate(misses) if n}
+
+    def clear_group_bytes(self) -> None:
+        self.group_misses.zero_()
 
 
 def _place(current: torch.Tensor, dst_slot: torch.Tensor, wanted: torch.Tensor, miss: torch.Tensor, ns: int):

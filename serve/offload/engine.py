@@ -5,13 +5,19 @@ that the host pool's hooks took effect, then builds the device block cache, the 
 ($NOSA_RECALL_SCHEDULER=1), the admission controller ($NOSA_ADMISSION=1, seeded by a probe of the
 link) and the step counters. The backend then calls, per forward pass:
 
-- ``begin(step)`` (every forward): starting requests take back their slot columns; a decode step
-  starts its counters;
-- ``view(layer, step, new_tokens)``: the layer's KV view (OffloadKV), once per layer;
+- ``begin(step)`` (every forward, host side): starting requests take back their slot columns; a
+  decode step drops stale blocks, starts its counters and says which groups are warm;
+- ``view(layer, step)``: the layer's KV view (OffloadKV) for host-side reads (a prefill, a
+  decode state catching up);
+- ``resolve(layer, wanted, inputs, new_tokens)``: a decode layer's blocks through the device
+  block cache, on fixed shapes (DeviceBlockCache.resolve_step; a captured step runs it as is);
 - ``prefetch(layer, step, states)``: while layer - 1 attends, layer's predicted blocks start
-  moving (with the recall scheduler; nothing otherwise);
-- ``end_step()`` after a decode step's last layer: the step's record, admission fed with its
-  measurements and its extra-slot grants applied, the record logged;
+  moving (with the recall scheduler, in steps that are not captured: a captured step cannot
+  hand copies to a thread; it recalls its misses itself);
+- ``end_step()`` after a decode step: the step's record, admission fed with its measurements and
+  its extra-slot grants applied, the record logged. The backend calls it after the last layer of
+  a step that runs eagerly; a captured step has no host code after it, so ``begin`` of the next
+  forward closes it (its wall time then includes the host's work between the two);
 and the request registry (nosa.serve.states) calls ``release(row)`` when a request leaves and
 ``counters()`` for the stats file.
 """
@@ -24,6 +30,7 @@ from nosa.serve.offload.block_cache import DeviceBlockCache, NewTokens
 from nosa.serve.offload.kv import OffloadKV, host_pages, predicted_blocks
 from nosa.serve.offload.settings import OffloadSettings
 from nosa.serve.offload.stats import StepRecord, StepStats
+from nosa.serve.step import captured
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +45,7 @@ class OffloadEngine:
         self.stats = StepStats(cache, scheduler)
         self._blocks: dict[int, int] = {}  # group -> context blocks of the running decode step (admission)
         self.peak_slots = 0  # the most resident block items (layers x KV heads x slots) after a decode step
+        self._step_open = False  # a decode step began and has no record yet
 
     @classmethod
     def start(cls, model_runner, cfg, num_layers: int, num_kv_heads: int, head_dim: int) -> "OffloadEngine":
@@ -73,19 +81,42 @@ class OffloadEngine:
         """[R] the device group of each request row (nosa.serve.step.ForwardStep.groups)."""
         return self.cache.groups_of(rows)
 
-    def begin(self, step) -> None:
-        """A forward pass starts: a starting request takes back its slot columns lent to others; a
-        decode step starts its counters."""
-        for row in step.rows:
-            self.cache.activate(row)
-        if step.decode:
-            self.stats.begin(len(step.rows))
-            self.cache.group_bytes.clear()
-            self._blocks = {g: -(-n // self.cache.block) for g, n in zip(step.groups.tolist(), step.lengths)}
+    def begin(self, step) -> list[bool] | None:
+        """A forward pass starts (host side): the decode step before it gets its record if it has
+        none yet (a captured step); a starting request takes back its slot columns lent to others;
+        a decode step drops stale blocks and starts its counters. Returns, for a decode step,
+        whether each request's group is warm (its previous step was a decode step)."""
+        if self._step_open:
+            self.end_step()
+        real = [i for i, row in enumerate(step.rows) if row]  # row 0: a captured batch's padding
+        for i in real:
+            self.cache.activate(step.rows[i])
+        if not step.decode:
+            return None
+        self.stats.begin(len(real))
+        self.cache.clear_group_bytes()
+        groups = [g for i, g in enumerate(step.groups.tolist()) if step.rows[i]]
+        lengths = [step.lengths[i] for i in real]
+        self._blocks = {g: -(-n // self.cache.block) for g, n in zip(groups, lengths)}
+        self._step_open = True
+        warm = iter(self.cache.begin_decode(groups, lengths))
+        return [bool(row) and next(warm) for row in step.rows]
 
     def view(self, layer: int, step, new_tokens: NewTokens | None = None) -> OffloadKV:
         """The KV view of ``layer`` for the requests of ``step`` (decode: with their new tokens)."""
         return OffloadKV(self.pool, self.cache, self.req_to_token, layer, step, self.device, new_tokens)
+
+    def resolve(self, layer: int, wanted, inputs, new_tokens: NewTokens):
+        """A decode layer's wanted blocks (nosa.decode.DecodeBlocks) for the step's requests
+        (nosa.serve.step.DecodeInputs), resident in the device block cache: its DeviceRows. Fixed
+        shapes; in a step that runs eagerly with the recall scheduler, the layer's prefetch is
+        claimed first."""
+        pages = host_pages(self.req_to_token, inputs.rows, wanted.blocks, self.cache.block)
+        prefetched = None
+        if self.scheduler is not None and not captured():
+            prefetched = self.cache.claim_prefetch(layer, inputs.groups)
+        return self.cache.resolve_step(layer, inputs.groups, wanted.blocks, inputs.lengths, pages,
+                                       self.pool.items(layer), new_tokens, inputs.warm, inputs.real, prefetched)
 
     def prefetch(self, layer: int, step, states) -> None:
         """Start moving ``layer``'s predicted blocks for this decode step (the layer before it is
@@ -102,6 +133,7 @@ class OffloadEngine:
     def end_step(self) -> StepRecord:
         """After a decode step's last layer: its record; admission (if on) learns from it and lends
         the spare slot columns for the next step."""
+        self._step_open = False
         record = self.stats.end()
         self.peak_slots = max(self.peak_slots, record.resident_slots)
         if self.admission is not None:
@@ -113,7 +145,7 @@ class OffloadEngine:
         control, cache, layers = self.admission, self.cache, record.layers
         recalled_bytes = sum(layers["recalled_bytes"]) + sum(layers["prefetched"]) * cache.item_bytes
         control.observe_transfer(recalled_bytes, sum(layers["recall_seconds"]))
-        control.observe_step(max(record.wall_seconds - record.stall_seconds, 1e-9), dict(cache.group_bytes),
+        control.observe_step(max(record.wall_seconds - record.stall_seconds, 1e-9), cache.step_group_bytes(),
                              self._blocks)
         spare = cache.free_columns() + len(cache.lent)
         control.extra = cache.set_extra(control.grants(spare))  # what was granted

@@ -25,6 +25,7 @@ import logging
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
+from nosa.serve.offload.kv import token_rows
 from nosa.serve.offload.settings import OffloadSettings, check_host_memory
 
 logger = logging.getLogger(__name__)
@@ -59,10 +60,7 @@ class HostKVPool(MHATokenToKVPool):
 
     def token_rows(self, loc: torch.Tensor) -> torch.Tensor:
         """[T] token slots -> [T, Hkv] rows of the [P*Hkv*B, D] view (row of token s, head h)."""
-        loc = loc.long()
-        page, off = loc // self.page_size, loc % self.page_size
-        heads = torch.arange(self.head_num, device=loc.device)
-        return ((page[:, None] * self.head_num + heads) * self.page_size + off[:, None])
+        return token_rows(loc, self.page_size, self.head_num)
 
     # ---- writes ------------------------------------------------------------------------------
     def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, k_scale=None, v_scale=None,

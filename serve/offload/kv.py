@@ -67,6 +67,15 @@ class OffloadKV:
                                   self.new_tokens)
 
 
+def token_rows(loc: torch.Tensor, page_size: int, head_num: int) -> torch.Tensor:
+    """[T] token slots -> [T, Hkv] rows of a host pool's [P*Hkv*B, D] token view (the page-major
+    layout of nosa.serve.offload.host_pool): token s, head h at ((s // B) * Hkv + h) * B + s % B."""
+    loc = loc.long()
+    page, off = loc // page_size, loc % page_size
+    heads = torch.arange(head_num, device=loc.device)
+    return (page[:, None] * head_num + heads) * page_size + off[:, None]
+
+
 def host_pages(req_to_token: torch.Tensor, table_rows: torch.Tensor, blocks: torch.Tensor, block: int) -> torch.Tensor:
     """Host page of each block [R, Hkv, W] of the requests at ``req_to_token`` rows ``table_rows`` [R]
     (the page of the block's first token; -1 blocks -> -1)."""

@@ -59,14 +59,15 @@ class StepStats:
         self.logger = _wandb_logger()
 
     def _counters(self) -> dict:
-        c = {key: list(self.cache.stats[key]) for key in CACHE_KEYS}
+        stats = self.cache.stats  # one host read of the device counters
+        c = {key: list(stats[key]) for key in CACHE_KEYS}
         if self.scheduler is not None:
             s = self.scheduler.stats
             c["recall_seconds"] = [a + b for a, b in zip(s["demand_seconds"], s["prefetch_seconds"])]
             c["stall_seconds"] = list(s["stall_seconds"])
         else:
-            c["recall_seconds"] = list(self.cache.stats["recall_seconds"])
-            c["stall_seconds"] = list(self.cache.stats["stall_seconds"])
+            c["recall_seconds"] = list(stats["recall_seconds"])
+            c["stall_seconds"] = list(stats["stall_seconds"])
         return c
 
     def begin(self, batch: int) -> None:

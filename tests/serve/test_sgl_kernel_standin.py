@@ -51,3 +51,11 @@ def test_does_not_claim_amx(standin):
     # SGLang's cpu_has_amx_support() looks for this op; registering it would route norms and rope
     # to AMX kernels the stand-in does not have.
     assert not hasattr(torch.ops.sgl_kernel, "convert_weight_packed")
+
+
+def test_declares_the_ops_the_cpu_graph_runner_registers_fakes_for(standin):
+    """SGLang's CPU graph runner (--enable-torch-compile) registers fake implementations for these
+    operators and fails at start-up when one does not exist; the stand-in declares every one."""
+    for name in standin.GRAPH_RUNNER_OPS:
+        assert hasattr(torch.ops.sgl_kernel, name), name
+    assert "shm_allreduce" in standin.GRAPH_RUNNER_OPS and "rmsnorm_cpu" in standin.GRAPH_RUNNER_OPS

@@ -8,6 +8,8 @@ the rest raise NotImplementedError naming the function.
 
 Deliberately absent: ``torch.ops.sgl_kernel.convert_weight_packed``. SGLang's cpu_has_amx_support()
 looks for it; without it norms, activations and rotary embeddings take their forward_native paths.
+Declared without a kernel: the operators SGLang's CPU graph runner registers fakes for
+(``GRAPH_RUNNER_OPS``), so ``--enable-torch-compile`` starts.
 """
 
 from __future__ import annotations
@@ -82,3 +84,30 @@ for _name in (
 ):
     globals()[_name] = _not_implemented(_name)
 del _name
+
+# SGLang's CPU graph runner (--enable-torch-compile) registers fake implementations for these
+# sgl_kernel operators (sglang/srt/model_executor/cpu_graph_runner.py, register_fake_ops), which
+# raises "operator sgl_kernel::shm_allreduce does not exist" at start-up unless each one exists.
+# The stand-in declares them without arguments and without a kernel: SGLang's native paths never
+# call them (no AMX), so a call would be a bug and fails on the schema.
+GRAPH_RUNNER_OPS = (
+    "shm_allreduce", "bmm_cpu", "fused_add_rmsnorm_cpu", "decode_attention_cpu", "extend_attention_cpu",
+    "gemma_fused_add_rmsnorm_cpu", "layernorm_cpu", "fused_add_layernorm_cpu", "multimodal_rotary_embedding_cpu",
+    "apply_multidimensional_rope_cpu", "fused_sigmoid_mul_cpu", "rmsnorm_cpu", "l2norm_cpu", "fused_experts_cpu",
+    "fused_rmsnorm_gated_cpu", "shared_expert_cpu", "causal_conv1d_update_cpu", "causal_conv1d_fwd_cpu",
+    "gemma_rmsnorm_cpu", "gemma3_rmsnorm_cpu", "gemma4_rmsnorm_cpu", "fused_dual_residual_rmsnorm_cpu",
+    "fused_qk_gemma_rmsnorm_cpu", "fused_qk_gemma_rmsnorm_with_gate_cpu", "fused_qk_rmsnorm_cpu",
+    "fused_qk_rmsnorm_sumsq_cpu", "fused_qk_rmsnorm_apply_from_stats_cpu", "shm_allgather", "qkv_proj_with_rope",
+    "rotary_embedding_cpu", "apply_rotary_pos_emb_cpu", "qkv_proj_with_rope_fused_weight", "weight_packed_linear",
+    "per_token_quant_int8_cpu", "int8_scaled_mm_cpu", "grouped_topk_cpu", "biased_grouped_topk_cpu",
+    "topk_sigmoid_cpu", "fused_moe_router_cpu", "topk_softmax_cpu", "silu_and_mul_cpu", "gelu_tanh_and_mul_cpu",
+    "gelu_and_mul_cpu", "int8_scaled_mm_with_quant", "fp8_scaled_mm_cpu", "fp8_per_tensor_scaled_mm_cpu",
+    "mxfp4_scaled_mm_cpu", "int4_scaled_mm_cpu", "fused_linear_sigmoid_mul", "fused_qkvzba_split_reshape_cat_cpu",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu", "fused_input_proj_cpu",
+    "fused_sigmoid_gating_delta_rule_update_cpu", "fused_gdn_gating_cpu", "chunk_gated_delta_rule_cpu",
+)
+_LIB = torch.library.Library("sgl_kernel", "FRAGMENT")
+for _op in GRAPH_RUNNER_OPS:
+    if not hasattr(torch.ops.sgl_kernel, _op):
+        _LIB.define(f"{_op}() -> ()")
+del _op

@@ -1,0 +1,299 @@
+"""DecodeStatePool: the decode selection state of every running sequence, in buffers allocated once,
+so that a decode step of the whole batch runs on fixed shapes (a captured CUDA graph, or SGLang's
+CPU graph runner under torch.compile) with no host synchronisation.
+
+The state of a sequence is what ``nosa.decode.NosaDecodeState`` holds, kept here per layer:
+
+- compressed keys and static block keys in *pages*, one page per block of the context:
+  ck [L, P, Hkv, B/s, D] float32 (the B/s windows that start in the block) and static
+  [L, P, Hkv, 2] float32 (the block's pooled eviction score and mean); ``table`` [N, NB + 1]
+  long gives the page of each block of each sequence slot (page 0 is a spare that no sequence
+  owns: writes that must land somewhere, and padding rows, go there). Pages are taken from a
+  free list as a context grows and given back when its sequence leaves, so memory follows the
+  tokens served (like the KV pool), not sequences x the longest context;
+- the last selection [L, N, Hkv, K] (-1 padded);
+- the tails: the last c keys [L, N, c, Hkv, D] (in the KV pool's dtype) and the last
+  T = max(c, B) eviction scores [L, N, T, Hkv] float32 of each sequence, in rings (token p at
+  p % c, p % T): all that a step needs to complete a window and a block, so a step never reads
+  the KV pool, wherever it lives (offloading keeps it in host memory).
+
+Shapes: L layers, N sequence slots (row 0 is the padding row: SGLang's ReqToTokenPool row 0 is
+never given to a request), P pages, Hkv KV heads, D head dim, B block size, s compress stride,
+c compress kernel, NB blocks of the longest context, K = topk_blocks, R rows of a batch.
+
+The per-step parts, batched over R sequences and shape-static: ``advance`` (account for each
+sequence's newest token: ring writes, the window and block it completes, written to the spare
+column/page when it completes none) and ``select`` (the selection of the newest token,
+nosa.select with ``branch_free``), reading spans ``windows`` / ``blocks`` that a caller fixes
+(the longest context's, for a captured step) or takes from the batch (eager). The host side
+(``open``, ``reserve``, ``release``, ``refill_tails``) runs outside a captured step:
+``open(row, layer)`` gives a NosaDecodeState over the row (``PoolRow``), through which a
+prefill or a catch-up after one writes the pages in place; ``reserve`` gives a row the pages its
+next step writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from nosa.attention.math import NEG_INF
+from nosa.compress import compress_windows
+from nosa.config import NosaConfig
+from nosa.decode import NosaDecodeState
+from nosa.select import block_scores_from_logits, select_blocks
+
+logger = logging.getLogger(__name__)
+
+SPARE_PAGE = 0
+
+
+class DecodeStatePool:
+    def __init__(self, cfg: NosaConfig, num_layers: int, num_rows: int, num_kv_heads: int, head_dim: int,
+                 max_context: int, num_pages: int, key_dtype: torch.dtype = torch.float32, device=None,
+                 key_tails: bool = True):
+        if cfg.block_size % cfg.compress_stride:
+            raise ValueError("DecodeStatePool: block_size must be a multiple of compress_stride (NosaConfig checks it)")
+        self.cfg, self.num_layers, self.num_rows, self.hkv = cfg, num_layers, num_rows, num_kv_heads
+        self.head_dim, self.device = head_dim, device
+        self.per_page = cfg.block_size // cfg.compress_stride  # windows starting in one block
+        self.max_context = max_context
+        self.max_blocks = cfg.num_blocks(max_context)
+        self.max_windows = cfg.num_compressed(max_context)
+        self.tail_len = max(cfg.compress_kernel, cfg.block_size)
+        # block -> page; column max_blocks is the spare column of writes that complete nothing
+        self.table = torch.zeros(num_rows, self.max_blocks + 1, dtype=torch.long, device=device)
+        self.selection = torch.full((num_layers, num_rows, num_kv_heads, cfg.topk_blocks), -1, dtype=torch.long,
+                                    device=device)
+        # without key tails the caller passes each step's window keys (read from a KV pool on the device)
+        self.tail_k = torch.zeros(num_layers, num_rows if key_tails else 1, cfg.compress_kernel, num_kv_heads,
+                                  head_dim, dtype=key_dtype, device=device)
+        self.key_tails = key_tails
+        self.tail_cis = torch.zeros(num_layers, num_rows, self.tail_len, num_kv_heads, device=device)
+        self._alloc_pages(num_pages)
+        self._pages: dict[int, list[int]] = {}  # row -> its pages, in block order
+        self._released: list[int] = []  # pages of rows that left, free at the next ``recycle``
+        self._lock = threading.Lock()  # ``release`` may come from another thread than the forward
+        self.frozen = False  # CUDA graphs captured over the buffers: they must not move
+
+    def _alloc_pages(self, num_pages: int) -> None:
+        self.ck = torch.zeros(self.num_layers, num_pages, self.hkv, self.per_page, self.head_dim, device=self.device)
+        self.static = torch.full((self.num_layers, num_pages, self.hkv, 2), NEG_INF, device=self.device)
+        self._free = list(range(num_pages - 1, SPARE_PAGE, -1))  # popped from the end: low pages first
+
+    @property
+    def num_pages(self) -> int:
+        return self.ck.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.table, self.selection, self.tail_k, self.tail_cis, self.ck, self.static)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ---- host side (outside a captured step) ---------------------------------------------------
+    def open(self, row: int, layer: int) -> NosaDecodeState:
+        """A fresh NosaDecodeState of ``layer`` over row ``row`` (its pages reset to no key)."""
+        if not 0 < row < self.num_rows:
+            raise ValueError(f"DecodeStatePool.open: row {row} outside 1..{self.num_rows - 1}")
+        pages = self._pages.get(row)
+        if pages:
+            self.static[layer, torch.tensor(pages, device=self.device)] = NEG_INF
+        self.selection[layer, row] = -1
+        return NosaDecodeState(self.cfg, self.hkv, self.head_dim, self.device, store=PoolRow(self, layer, row))
+
+    def reserve(self, row: int, length: int) -> None:
+        """Pages for every block of a ``length``-token context of ``row`` (new pages hold no key)."""
+        need = self.cfg.num_blocks(length)
+        if need > self.max_blocks:
+            raise ValueError(f"DecodeStatePool: a context of {length} tokens is longer than the pool's "
+                             f"{self.max_context}")
+        with self._lock:
+            pages = self._pages.setdefault(row, [])
+            if need <= len(pages):
+                return
+            if need - len(pages) > len(self._free):
+                self._grow(need - len(pages))
+            new = [self._free.pop() for _ in range(need - len(pages))]
+            index = torch.tensor(new, device=self.device)
+            self.static[:, index] = NEG_INF
+            self.table[row, len(pages) : need] = index
+            pages.extend(new)
+
+    def release(self, row: int) -> None:
+        """The sequence of ``row`` left: its pages are free from the next ``recycle`` (a forward in
+        flight may still write them)."""
+        with self._lock:
+            pages = self._pages.pop(row, None)
+            if pages:
+                self._released.extend(pages)
+                self.table[row, : len(pages)] = SPARE_PAGE
+
+    def recycle(self) -> None:
+        """Released pages become free (call between forward passes)."""
+        with self._lock:
+            self._free.extend(reversed(self._released))
+            self._released.clear()
+
+    def _grow(self, more: int) -> None:
+        """More pages (sequences sharing a prefix hold their own pages for it, so the pages can
+        outnumber the tokens of the KV pool). The buffers move: a graph captured over the old ones
+        is stale: a pool under CUDA graphs is ``frozen`` and raises instead."""
+        old_ck, old_static = self.ck, self.static
+        size = old_ck.shape[1]
+        if self.frozen:
+            raise RuntimeError(f"nosa decode state pool: its {size} pages are in use and CUDA graphs were captured "
+                               "over them (growing would move them); run with --disable-cuda-graph, or with fewer "
+                               "requests sharing long prefixes at once")
+        new_size = max(2 * size, size + more)
+        logger.warning("nosa decode state pool: %d pages are not enough, growing to %d (%.1f MiB)", size, new_size,
+                       self.nbytes * (new_size / size) / 2**20)
+        free = self._free
+        self._alloc_pages(new_size)
+        self.ck[:, :size] = old_ck
+        self.static[:, :size] = old_static
+        self._free = list(range(new_size - 1, size - 1, -1)) + free
+
+    def refill_tails(self, layer: int, row: int, kv, seq: int, length: int) -> None:
+        """The rings of ``row`` from tokens ``[length - T, length)`` of sequence ``seq`` of the KV
+        view ``kv`` (after a prefill or a catch-up, before the row's next step)."""
+        c, t = self.cfg.compress_kernel, self.tail_len
+        lo = max(0, length - t)
+        if length <= lo:
+            return
+        pos = torch.arange(lo, length, device=self.device)
+        self.tail_cis[layer, row, pos % t] = kv.cis(seq, lo, length).float()
+        if self.key_tails:
+            lo_k = max(0, length - c)
+            self.tail_k[layer, row, pos[lo_k - lo :] % c] = kv.keys(seq, lo_k, length).to(self.tail_k.dtype)
+
+    # ---- one decode step, batched and shape-static -------------------------------------------
+    def advance(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor, k_new: torch.Tensor,
+                cis_new: torch.Tensor, window_keys: torch.Tensor | None = None) -> None:
+        """Account for each sequence's newest token, at position lengths - 1: rows [R] (sequence
+        slots; 0 for padding), lengths [R], its key k_new [R, Hkv, D] and eviction score cis_new
+        [R, Hkv] as the KV pool stores them. The rows must hold ``length - 1`` tokens and pages for
+        ``length`` (``reserve``). Writes the rings, the compressed key of the window the token
+        completes and the pooled score of the blocks it overlaps, and the mean of the block it
+        completes; a row that completes none writes the spare column / page. ``window_keys``
+        [R, c, Hkv, D]: the keys of tokens [length - c, length) (any values where length < c),
+        needed when the pool keeps no key tails."""
+        cfg, c, s, b, t = self.cfg, self.cfg.compress_kernel, self.cfg.compress_stride, self.cfg.block_size, \
+            self.tail_len
+        tail_cis, table = self.tail_cis[layer], self.table
+        ck, static = self.ck[layer], self.static[layer]
+        last = lengths - 1
+        ring = lengths[:, None] - c + torch.arange(c, device=rows.device)
+        if window_keys is None:
+            tail_k = self.tail_k[layer]
+            tail_k[rows, last % c] = k_new.to(tail_k.dtype)
+            window_keys = tail_k[rows[:, None], ring % c]
+        tail_cis[rows, last % t] = cis_new.float()
+        # the window [length - c, length), as nosa.compress.compress_windows computes one window
+        completes = (lengths >= c) & ((lengths - c) % s == 0)
+        j = torch.where(completes, (lengths - c) // s, 0)
+        keys = compress_windows(window_keys.float().transpose(0, 1), cfg, 0, 1)[0]  # [R, Hkv, D]
+        window_cis = compress_windows(tail_cis[rows[:, None], ring % t].transpose(0, 1), cfg, 0, 1)[0]  # [R, Hkv]
+        spare = self.max_blocks
+        page = table[rows, torch.where(completes, j // self.per_page, spare)]
+        ck[page, :, j % self.per_page] = keys
+        # its pooled score onto the blocks it overlaps (max with what they had)
+        span = (c - 1) // b + 2
+        cols = (s * j // b)[:, None] + torch.arange(span, device=rows.device)
+        cols = torch.where(completes[:, None] & (cols <= ((s * j + c - 1) // b)[:, None]), cols, spare)
+        pages = table[rows[:, None], cols]  # [R, span]
+        static[pages, :, 0] = torch.maximum(static[pages, :, 0], window_cis[:, None, :])
+        # the block [length - B, length), as nosa.eviction.block_means computes it
+        closes = lengths % b == 0
+        tokens = tail_cis[rows[:, None], (lengths[:, None] - b + torch.arange(b, device=rows.device)) % t]
+        page = table[rows, torch.where(closes, lengths // b - 1, spare)]
+        static[page, :, 1] = tokens.sum(dim=1) / torch.full((), float(b), device=rows.device)
+
+    def record(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor, k_new: torch.Tensor,
+               cis_new: torch.Tensor) -> None:
+        """``advance`` for a step whose new tokens complete no window and no block (the caller
+        knows it on the host): only the rings take them."""
+        last = lengths - 1
+        if self.key_tails:
+            tail_k = self.tail_k[layer]
+            tail_k[rows, last % self.cfg.compress_kernel] = k_new.to(tail_k.dtype)
+        self.tail_cis[layer][rows, last % self.tail_len] = cis_new.float()
+
+    def select(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor, scale: float,
+               windows: int, blocks: int) -> torch.Tensor:
+        """Selections [R, Hkv, K] of the newest tokens (after ``advance``) for queries q [R, Hq, D],
+        recorded as the rows' last selection. ``windows`` / ``blocks``: how many compressed keys and
+        blocks to read per row (at least the longest context's of the batch; the pool's maxima for
+        a captured step). The same as nosa.decode.decode_select on the same states."""
+        cfg = self.cfg
+        r, hq, d = q.shape
+        group = hq // self.hkv
+        qg = q.detach().float().reshape(r, self.hkv, group, d)
+        per = self.per_page
+        window_blocks = -(-windows // per)
+        pages = self.table[rows[:, None], torch.arange(max(blocks, window_blocks), device=rows.device)]  # [R, nb]
+        ck = self.ck[layer][pages[:, :window_blocks]]  # [R, wb, Hkv, per, D]
+        ck = ck.permute(0, 2, 1, 3, 4).reshape(r, self.hkv, window_blocks * per, d)[:, :, :windows]
+        logits = torch.matmul(qg, ck.transpose(-1, -2)) * scale  # [R, Hkv, G, W]
+        num_windows = torch.where(lengths >= cfg.compress_kernel,
+                                  (lengths - cfg.compress_kernel) // cfg.compress_stride + 1, 0)
+        visible = torch.arange(windows, device=rows.device)[None, :] < num_windows[:, None]
+        query = block_scores_from_logits(logits, visible, blocks, cfg)  # [R, Hkv, NB]
+        exists = torch.arange(blocks, device=rows.device)[None, :] < (lengths[:, None] - 1) // cfg.block_size + 1
+        static = self.static[layer][pages[:, :blocks]].transpose(1, 2)  # [R, Hkv, NB, 2]
+        static = torch.where(exists[:, None, :, None], static, NEG_INF)
+        sel = select_blocks(query, static, lengths - 1, cfg, branch_free=True)
+        self.selection[layer, rows] = sel
+        return sel
+
+
+def pages_for(cfg: NosaConfig, token_capacity: int, num_rows: int) -> int:
+    """Pages for sequences holding ``token_capacity`` tokens in all (a KV pool's size) in up to
+    ``num_rows`` - 1 sequences: one per block plus each sequence's partial block, plus the spare."""
+    return token_capacity // cfg.block_size + num_rows + 1
+
+
+class PoolRow:
+    """The store of a NosaDecodeState (nosa.decode.GrowingStore's methods) over one row and layer
+    of a DecodeStatePool: its keys live in the row's pages."""
+
+    def __init__(self, pool: DecodeStatePool, layer: int, row: int):
+        self.pool, self.layer, self.row = pool, layer, row
+        self.num_windows = 0
+        self.num_blocks = 0
+        self.tails_at = -1  # the context length the row's rings were last brought to (host side)
+
+    def _pages(self, count: int) -> torch.Tensor:
+        return self.pool.table[self.row, :count]
+
+    def keys(self) -> torch.Tensor:
+        per = self.pool.per_page
+        pages = self._pages(-(-self.num_windows // per))
+        ck = self.pool.ck[self.layer][pages]  # [nb, Hkv, per, D]
+        return ck.transpose(0, 1).reshape(self.pool.hkv, -1, self.pool.head_dim)[:, : self.num_windows]
+
+    def static(self) -> torch.Tensor:
+        return self.pool.static[self.layer][self._pages(self.num_blocks)].transpose(0, 1)
+
+    def add_windows(self, keys: torch.Tensor) -> None:
+        per = self.pool.per_page
+        j = torch.arange(self.num_windows, self.num_windows + keys.shape[1], device=keys.device)
+        self.pool.ck[self.layer][self.pool.table[self.row, j // per], :, j % per] = keys.transpose(0, 1)
+        self.num_windows += keys.shape[1]
+
+    def grow_blocks(self, num_blocks: int) -> None:
+        self.pool.reserve(self.row, num_blocks * self.pool.cfg.block_size)
+        self.num_blocks = max(self.num_blocks, num_blocks)
+
+    def set_means(self, first: int, means: torch.Tensor) -> None:
+        pages = self._pages(first + means.shape[1])[first:]
+        self.pool.static[self.layer][pages, :, 1] = means.transpose(0, 1)
+
+    def raise_pooled(self, pooled: torch.Tensor) -> None:
+        static = self.pool.static[self.layer]
+        pages = self._pages(pooled.shape[1])
+        static[pages, :, 0] = torch.maximum(static[pages, :, 0], pooled.transpose(0, 1))
+
+    def set_sizes(self, num_windows: int, num_blocks: int) -> None:
+        self.num_windows, self.num_blocks = num_windows, num_blocks
