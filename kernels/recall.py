@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
-_WIDE = (torch.int64, torch.int32, torch.int16, torch.uint8)  # widest element dividing the item bytes
+# (dtype, bytes), widest first: item rows are read in the widest element dividing their bytes
+_WIDE = tuple((wide, wide.itemsize) for wide in (torch.int64, torch.int32, torch.int16, torch.uint8))
 CHUNK_BYTES = 1 << 19  # staging per pair and chunk: stays in L2 between gather and scatter
 
 
@@ -76,8 +77,7 @@ def item_rows(t: torch.Tensor) -> torch.Tensor:
     """[N, *item] contiguous -> [N, W] view in the widest integer type dividing the item's bytes."""
     rows = t.reshape(t.shape[0], -1)
     nbytes = rows.shape[1] * t.element_size()
-    for wide in _WIDE:
-        size = torch.empty((), dtype=wide).element_size()
+    for wide, size in _WIDE:
         if nbytes % size == 0 and t.data_ptr() % size == 0:
             return rows.view(torch.uint8).view(wide)
     raise AssertionError("unreachable: uint8 divides everything")

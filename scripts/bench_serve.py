@@ -93,7 +93,10 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
     scheduler process, also its CPU seconds over that time, ``prefill_cpu_s``: less sensitive than
     wall time to other load on a shared machine). Decode: the intervals between streamed tokens
     once every request is decoding (the whole batch in each step), per token; the median over all
-    requests and steps is the step time (robust to a noisy machine), the mean is reported too.
+    requests and steps is the step time (robust to a noisy machine), the mean is reported too; with
+    ``cpu_pid`` also the scheduler's CPU milliseconds per decode step (``cpu_ms_per_decode_step``:
+    its CPU time from the last first token to the last token over ``new_tokens - 1`` steps; what the
+    step costs the CPU, whatever else the machine runs).
     Nothing here depends on the prefix cache or on work done before the first token."""
     import statistics
 
@@ -111,9 +114,11 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
         t.start()
     while not all(streams) and any(t.is_alive() for t in threads):  # until every first token
         time.sleep(0.02)
-    prefill_cpu = cpu_seconds(cpu_pid) - cpu_start if cpu_pid else None
+    decode_cpu_start = cpu_seconds(cpu_pid) if cpu_pid else 0.0
+    prefill_cpu = decode_cpu_start - cpu_start if cpu_pid else None
     for t in threads:
         t.join()
+    decode_cpu = cpu_seconds(cpu_pid) - decode_cpu_start if cpu_pid else None
     if any(not s or s[-1][1] != new_tokens for s in streams):
         raise RuntimeError(f"a request did not stream {new_tokens} tokens: {[s[-1:] for s in streams]}")
     all_decoding = max(s[0][0] for s in streams)  # every request has its first token
@@ -128,7 +133,9 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
             "ms_per_decode_step": round(1000 * step, 2),
             "ms_per_decode_step_mean": round(1000 * statistics.fmean(per_token), 2),
             "decode_intervals": len(per_token), "prefill_s": round(all_decoding, 2),
-            **({"prefill_cpu_s": round(prefill_cpu, 2)} if cpu_pid else {})}
+            **({"prefill_cpu_s": round(prefill_cpu, 2),
+                # every request decodes new_tokens - 1 steps after its first token, the batch together
+                "cpu_ms_per_decode_step": round(1000 * decode_cpu / max(1, new_tokens - 1), 2)} if cpu_pid else {})}
 
 
 def scheduler_pid(server) -> int:
@@ -213,6 +220,9 @@ def ratios(results: list[dict], contexts: list[int], tp_sizes: list[int]) -> dic
     for context in contexts:
         by = {r["backend"]: r["ms_per_decode_step"] for r in first if r["context"] == context}
         out[str(context)] = {name: round(by[a] / by[b], 3) for name, (a, b) in pairs.items() if a in by and b in by}
+        cpu = {r["backend"]: r.get("cpu_ms_per_decode_step") for r in first if r["context"] == context}
+        out[f"{context} cpu"] = {name: round(cpu[a] / cpu[b], 3) for name, (a, b) in pairs.items()
+                                 if cpu.get(a) and cpu.get(b)}
     for variant in VARIANTS:  # decode flat in context: the longest context's step over the shortest's
         steps = [(r["context"], r["ms_per_decode_step"]) for r in first if r["backend"] == variant]
         if len(steps) > 1:
