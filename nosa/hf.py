@@ -25,6 +25,7 @@ import contextlib
 
 import torch
 
+from nosa.attention.math import dense_attention
 from nosa.attention.prefill import nosa_prefill, nosa_prefill_varlen
 from nosa.checkpoint_format import MODEL_TYPES
 from nosa.config import CONFIG_KEY, NosaConfig
@@ -106,7 +107,9 @@ def nosa_attention_forward(
         for b in range(bsz):
             q_rows, k_seq, v_seq = (t[b].transpose(0, 1) for t in (query, key, value))
             docs = _document_bounds(position_ids, b, None)
-            if docs is None:
+            if docs is None and kv_len <= cfg.dense_len:  # every row dense: no selection to compute
+                outs.append(dense_attention(q_rows, k_seq, v_seq, scale))
+            elif docs is None:
                 outs.append(nosa_prefill(q_rows, k_seq, v_seq, evict(v_seq), cfg, scale)[0])
             else:
                 outs.append(nosa_prefill_varlen(q_rows, k_seq, v_seq, evict(v_seq), docs, cfg, scale)[0])

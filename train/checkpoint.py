@@ -71,6 +71,22 @@ def save(
     return final
 
 
+def save_model(model, tokenizer, run_config: dict, path: str) -> str:
+    """Write ``model`` (an HF directory, no optimizer state: not a resume point) with its tokenizer
+    and run config to ``path`` on rank 0, atomically; used for the model right after the
+    eviction-head fit. Returns ``path``."""
+    if _rank() == 0:
+        tmp = path.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _write_json(os.path.join(tmp, RUN_CONFIG_FILE), run_config)
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(tmp, path)
+    _barrier()
+    return path
+
+
 def load_engine_state(engine, path: str) -> None:
     """Restore optimizer and scheduler state into ``engine``."""
     engine.load_checkpoint(

@@ -15,6 +15,7 @@ from typing import Any
 
 from nosa.checkpoint_format import BY_NAME
 from nosa.config import NosaConfig
+from nosa.train.ruler import TASKS as RULER_TASKS
 from nosa.train.synthetic import TASKS
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -46,8 +47,22 @@ class SyntheticSection:
 
 
 @dataclass
+class RulerSection:
+    """RULER-style rows over real prose (nosa.train.ruler: the long-context suite's tasks, answered),
+    written with the model's tokenizer at seq_len: the haystacks of ``train.jsonl`` are the training
+    documents of nosa.train.prose, those of ``heldout.jsonl`` (the eval rows) held-out ones."""
+
+    dir: str = "data/ruler"
+    tasks: list[str] = field(default_factory=lambda: list(RULER_TASKS))
+    train_examples: int = 16  # per task
+    heldout_examples: int = 1  # per task
+    seed: int = 1
+
+
+@dataclass
 class DataSection:
-    synthetic: SyntheticSection | None = None  # None: use `train_files`
+    synthetic: SyntheticSection | None = None  # None: use `ruler` or `train_files`
+    ruler: RulerSection | None = None  # None: use `synthetic` or `train_files`
     train_files: list[str] = field(default_factory=list)  # local .jsonl/.json/.parquet/.txt
     eval_files: list[str] = field(default_factory=list)
     text_field: str = "text"
@@ -166,8 +181,12 @@ class TrainConfig:
                 )
         if self.tokenizer.path is not None and not os.path.isdir(self.tokenizer.path):
             raise ValueError(f"tokenizer.path={self.tokenizer.path!r} is not a directory")
-        if self.data.synthetic is None and not self.data.train_files:
-            raise ValueError("data: set data.synthetic or data.train_files")
+        if self.data.synthetic is None and self.data.ruler is None and not self.data.train_files:
+            raise ValueError("data: set data.synthetic, data.ruler or data.train_files")
+        if self.data.synthetic is not None and self.data.ruler is not None:
+            raise ValueError("data: set data.synthetic or data.ruler, not both")
+        if self.data.ruler is not None:
+            self._validate_ruler(self.data.ruler)
         for path in self.data.train_files + self.data.eval_files:
             if not os.path.isfile(path):
                 raise ValueError(f"data file not found: {path!r}")
@@ -196,6 +215,18 @@ class TrainConfig:
             raise ValueError(f"deepspeed config not found: {self.deepspeed!r}")
         if self.resume not in (None, "auto") and not os.path.isdir(self.resume):
             raise ValueError(f"resume={self.resume!r} is not a checkpoint directory")
+
+    def _validate_ruler(self, sec: RulerSection) -> None:
+        bad = sorted(set(sec.tasks) - set(RULER_TASKS))
+        if bad or not sec.tasks:
+            raise ValueError(f"data.ruler.tasks: unknown {bad}; known tasks are {list(RULER_TASKS)}")
+        if sec.train_examples < 1 or sec.heldout_examples < 0:
+            raise ValueError(f"data.ruler: train_examples={sec.train_examples}, heldout_examples="
+                             f"{sec.heldout_examples}; expected >= 1 and >= 0")
+        if self.model.path is None and self.tokenizer.path is None:
+            raise ValueError("data.ruler: its rows are chat turns of the model's tokenizer; set model.path")
+        if self.curriculum:
+            raise ValueError("data.ruler: its examples are written at seq_len; a curriculum would cut them")
 
     def _validate_curriculum(self, block_size: int) -> None:
         for stage in self.curriculum:
@@ -330,4 +361,5 @@ _SECTIONS = {
     (TrainConfig, "optim"): OptimSection,
     (TrainConfig, "wandb"): WandbSection,
     (DataSection, "synthetic"): SyntheticSection,
+    (DataSection, "ruler"): RulerSection,
 }

@@ -65,9 +65,10 @@ def _builder(path: str) -> str:
 def tokenize(ds, tokenizer, text_field: str = "text", num_proc: int = 1, targets_only: bool = True):
     """Add ``input_ids``, ``labels`` and ``answers`` per document. Every document starts with the
     tokenizer's BOS (when it has one), as SGLang and ``tokenizer(text)`` encode prompts, so the
-    model trains on what it is served. With ``targets`` spans and ``targets_only`` only answer
-    tokens carry labels, otherwise every token but BOS does; ``answers`` marks the answer tokens
-    (all False without ``targets``)."""
+    model trains on what it is served; a text that already starts with it (a chat turn whose
+    template writes the BOS, as SmolLM2's ``<|im_start|>``) gets no second one. With ``targets``
+    spans and ``targets_only`` only answer tokens carry labels, otherwise every token but BOS does;
+    ``answers`` marks the answer tokens (all False without ``targets``)."""
     if text_field not in ds.column_names:
         raise ValueError(f"data has no column {text_field!r}; columns are {ds.column_names}")
     has_targets = "targets" in ds.column_names
@@ -81,9 +82,10 @@ def tokenize(ds, tokenizer, text_field: str = "text", num_proc: int = 1, targets
             spans = batch["targets"][i] if has_targets else []
             offsets = enc["offset_mapping"][i] if has_targets else [(0, 0)] * len(ids)
             answer = [any(a <= s and e <= b and e > s for a, b in spans) for s, e in offsets]
-            input_ids.append(bos + list(ids))
-            labels.append([IGNORE] * len(bos) + [t if ok or not supervised else IGNORE for t, ok in zip(ids, answer)])
-            answers.append([False] * len(bos) + answer)
+            head = bos if ids[: len(bos)] != bos else []  # a chat turn starts with its own BOS-like token
+            input_ids.append(head + list(ids))
+            labels.append([IGNORE] * len(head) + [t if ok or not supervised else IGNORE for t, ok in zip(ids, answer)])
+            answers.append([False] * len(head) + answer)
         tasks = batch["task"] if "task" in batch else [""] * len(labels)
         return {"input_ids": input_ids, "labels": labels, "answers": answers, "task": tasks}
 
@@ -207,6 +209,25 @@ def prepare_synthetic(
             tail=tail,
             depth=tuple(sec.depth),
         )
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return sec.dir
+
+
+def prepare_ruler(sec, seq_len: int, tokenizer_path: str, rank: int) -> str:
+    """Make sure ``sec.dir`` holds RULER-style rows for these settings (nosa.train.ruler; rank 0
+    writes them): examples of ``seq_len`` tokens with the tokenizer at ``tokenizer_path``."""
+    import torch.distributed as dist
+
+    from nosa.train import ruler
+    from nosa.train.tokenizer import load_tokenizer
+
+    want = dict(version=2, tokenizer=os.path.abspath(tokenizer_path), tasks=list(sec.tasks), length=seq_len,
+                train=sec.train_examples, heldout=sec.heldout_examples, seed=sec.seed)
+    meta = ruler.read_meta(sec.dir) or {}
+    if rank == 0 and any(meta.get(k) != v for k, v in want.items()):
+        ruler.write_training_set(sec.dir, load_tokenizer(tokenizer_path), sec.tasks, seq_len, sec.train_examples,
+                                 sec.heldout_examples, sec.seed, meta=want)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return sec.dir

@@ -7,7 +7,8 @@ teaches its head to keep it. Here each head learns, from the dense attention of 
 on training rows, which tokens later queries attend to from beyond their local window; then A is
 set to ``distill_scale`` so the static (query-agnostic) part of the selection ranks blocks by it.
 
-Target of token j and KV head h: the largest dense attention probability any query head of h's group
+Target of token j and KV head h: the largest dense attention probability (of the dense model: the
+converted model runs densely while the fit reads its attention inputs) any query head of h's group
 gives j from a row t whose local window does not cover j (t // B - j // B >= window_blocks), over
 the rows of one document, each row weighed by what the training loss weighs its prediction
 (nosa.train.loss.row_weights: 0 for a row whose next token carries no label, ``data.answer_weight``
@@ -22,6 +23,8 @@ depend on W, b), so the fit costs a few forward passes and no backward through t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -32,36 +35,54 @@ from nosa.train.metrics import dense_probs, first_document
 
 
 @torch.no_grad()
-def attention_targets(q, k, cfg: NosaConfig, scale: float, weight: torch.Tensor | None = None):
+def attention_targets(q, k, cfg: NosaConfig, scale: float, weight: torch.Tensor | None = None, chunk: int = 256):
     """q [L, Hq, D], k [L, Hkv, D], weight [L] (row t's weight, default 1) -> (target [L, Hkv] in
-    [0, 1], valid [L, Hkv] bool)."""
+    [0, 1], valid [L, Hkv] bool). Only rows of positive weight are computed, ``chunk`` at a time:
+    with answer-only labels that is a few rows of a long row, and the [rows, Hq, L] probabilities of
+    every row of an 8K row would not fit in memory."""
     length, hq, _ = q.shape
     hkv = k.shape[1]
     pos = torch.arange(length)
     weight = torch.ones(length) if weight is None else weight.float().cpu()
     weight = weight / weight.max().clamp(min=1e-12)
-    far = (pos[:, None] // cfg.block_size - pos[None, :] // cfg.block_size) >= cfg.window_blocks  # [t, j]
-    far = far & (weight[:, None] > 0)
-    probs = dense_probs(q, k, pos, scale).masked_fill(~far[:, None, :], 0.0) * weight[:, None, None]  # [t, Hq, j]
-    target = probs.amax(dim=0).reshape(hkv, hq // hkv, length).amax(dim=1).transpose(0, 1)  # [L, Hkv]
-    valid = far.any(dim=0) & (pos >= cfg.sink_blocks * cfg.block_size)
-    return target, valid[:, None].expand(length, hkv)
+    target = torch.zeros(hkv, hq // hkv, length)
+    seen = torch.zeros(length, dtype=torch.bool)
+    rows = (weight > 0).nonzero().squeeze(1)
+    for start in range(0, len(rows), chunk):
+        t = rows[start : start + chunk]
+        far = (t[:, None] // cfg.block_size - pos[None, :] // cfg.block_size) >= cfg.window_blocks  # [t, j]
+        probs = dense_probs(q[t], k, t, scale).masked_fill(~far[:, None, :], 0.0) * weight[t, None, None]
+        target = torch.maximum(target, probs.amax(dim=0).reshape(hkv, hq // hkv, length))
+        seen |= far.any(dim=0)
+    valid = seen & (pos >= cfg.sink_blocks * cfg.block_size)
+    return target.amax(dim=1).transpose(0, 1), valid[:, None].expand(length, hkv)
 
 
 def fit_eviction_heads(
-    model, rows, cfg: NosaConfig, steps: int, lr: float, scale: float, answer_weight: float = 1.0, print0=print
+    model, rows, cfg: NosaConfig, steps: int, lr: float, scale: float, answer_weight: float = 1.0, print0=print,
+    progress: bool = False,
 ) -> dict:
     """Fit W, b of every eviction head of the converted ``model`` on ``rows`` (packed training rows
     with labels and answers, first document of each; rows weighed as the loss weighs them), then
-    set every A to ``scale``. Returns {"distill/loss": first, last}."""
+    set every A to ``scale``; ``progress``: progress bars over the rows and the layers. Returns
+    {"distill/loss_first", "distill/loss", "distill/seconds"}."""
+    import time
+
+    from tqdm import tqdm
+
+    import nosa
     from nosa.hf import capture_attention_inputs
 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     data: dict[str, list] = {}
+    # the targets are the dense model's attention: every layer runs densely while its inputs are
+    # captured (A is still 0 and every row is within dense_len), so later layers see dense inputs
+    nosa.convert(model, dataclasses.replace(cfg, dense_len=max(len(row["input_ids"]) for row in rows)))
+    t0 = time.perf_counter()
     with torch.no_grad():
-        for row in rows:
+        for row in tqdm(rows, desc="fit: dense attention", unit="row", disable=not progress, dynamic_ncols=True):
             ids = first_document(row["input_ids"], row["position_ids"])
             weight = None  # rows without labels (plain ids): every row counts
             if "labels" in row:
@@ -72,46 +93,63 @@ def fit_eviction_heads(
                 attn = model.get_submodule(name)
                 target, valid = attention_targets(q.cpu(), k.cpu(), cfg, attn.scaling, weight)
                 data.setdefault(name, []).append((v.cpu(), target, valid))
+    nosa.convert(model, cfg)
     model.train(was_training)
     first = last = 0.0
-    for name, items in data.items():
+    for name, items in tqdm(data.items(), desc="fit: heads", unit="layer", disable=not progress, dynamic_ncols=True):
         head = getattr(model.get_submodule(name), MODULE_NAME)
         v, target, valid = (torch.cat([x[i] for x in items]) for i in range(3))
         a, b = fit_head(head, v, target, valid, steps, lr)
         first, last = first + a / len(data), last + b / len(data)
         with torch.no_grad():
             head.scale.fill_(scale)
+    seconds = time.perf_counter() - t0
     print0(f"eviction heads fitted to the dense attention: loss {first:.4f} -> {last:.4f} "
-           f"({steps} steps, {len(rows)} rows); A = {scale}")
-    return {"distill/loss_first": first, "distill/loss": last}
+           f"({steps} steps, {len(rows)} rows, {seconds:.0f} s); A = {scale}")
+    return {"distill/loss_first": first, "distill/loss": last, "distill/seconds": seconds}
 
 
-def fit_head(head, v, target, valid, steps: int, lr: float) -> tuple[float, float]:
-    """Fit ``head.proj`` (W, b) so that sigmoid(W v + b) matches ``target`` where ``valid``.
-    v [N, Hkv, D]; target, valid [N, Hkv]. Returns the loss before and after."""
-    v = v.to(head.proj.weight)
-    target, valid = target.to(v), valid.to(v.device)
+def fit_head(head, v, target, valid, steps: int, lr: float, batch: int = 2048, seed: int = 0) -> tuple[float, float]:
+    """Fit ``head.proj`` (W, b) so that sigmoid(W v + b) matches ``target`` where ``valid``:
+    ``steps`` Adam steps on ``batch`` tokens each, drawn (with replacement) with probability
+    proportional to their weight in ``balanced_bce``, whose loss each step's mean estimates without
+    bias. Full-batch steps over tens of thousands of tokens cost about 50 ms each on a CPU (the
+    weight gradient's skinny matmul), 30 layers of them minutes; sampling by weight keeps the few
+    attended tokens in every batch. v [N, Hkv, D]; target, valid [N, Hkv]. Returns the full loss
+    before and after."""
+    x = v.to(head.proj.weight).flatten(-2).contiguous()  # [N, Hkv * D]
+    target, valid = target.to(x), valid.to(x.device)
+    weight = balanced_weights(target, valid)  # [N, Hkv]
+    target = target.masked_fill(~valid, 0.0)
+    token_weight = weight.sum(-1)  # [N]
+    gen = torch.Generator(device=x.device).manual_seed(seed)
     opt = torch.optim.Adam(head.proj.parameters(), lr=lr)
-    first = None
+    with torch.no_grad():
+        first = float(balanced_bce(head.proj(x), target, valid))
     for _ in range(steps):
-        loss = balanced_bce(head.proj(v.flatten(-2)), target, valid)  # logits [N, Hkv]
-        if first is None:
-            first = float(loss.detach())
+        idx = torch.multinomial(token_weight, batch, replacement=True, generator=gen)
+        bce = F.binary_cross_entropy_with_logits(head.proj(x[idx]), target[idx], reduction="none")
+        loss = ((bce * weight[idx]).sum(-1) / token_weight[idx]).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
-        final = float(balanced_bce(head.proj(v.flatten(-2)), target, valid))
+        final = float(balanced_bce(head.proj(x), target, valid))
     return first, final
 
 
-def balanced_bce(logit, target, valid):
-    """Binary cross-entropy with soft labels where ``valid``, token j of head h weighed
-    ``1 + target * n_h / sum(target_h)``: the attended tokens of a head together weigh as much as
-    all of its tokens. Few tokens are attended from far away (4 facts among ~500 tokens in the tiny
-    task), and a plain mean let the fit rank some facts below filler (measured: README)."""
+def balanced_weights(target, valid):
+    """Token j of head h weighs ``1 + target * n_h / sum(target_h)`` where ``valid`` (0 elsewhere):
+    the attended tokens of a head together weigh as much as all of its tokens. Few tokens are
+    attended from far away (4 facts among ~500 tokens in the tiny task), and a plain mean let the
+    fit rank some facts below filler (measured: README). target, valid [N, Hkv] -> [N, Hkv]."""
     target = target.masked_fill(~valid, 0.0)
     boost = valid.sum(0) / target.sum(0).clamp(min=1e-6)  # [Hkv]
-    weight = valid * (1 + target * boost)
-    loss = F.binary_cross_entropy_with_logits(logit, target, reduction="none")
+    return valid * (1 + target * boost)
+
+
+def balanced_bce(logit, target, valid):
+    """Binary cross-entropy with soft labels, weighed by ``balanced_weights``, a scalar."""
+    weight = balanced_weights(target, valid)
+    loss = F.binary_cross_entropy_with_logits(logit, target.masked_fill(~valid, 0.0), reduction="none")
     return (loss * weight).sum() / weight.sum().clamp(min=1e-6)

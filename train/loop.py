@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from nosa.train import checkpoint, synthetic
 from nosa.train.config import TrainConfig
-from nosa.train.data import batch_at, build_rows, offline_env, prepare_synthetic
+from nosa.train.data import batch_at, build_rows, offline_env, prepare_ruler, prepare_synthetic
 from nosa.train.distill import fit_eviction_heads
 from nosa.train.engine import ds_config, init_distributed, initialize, zero_stage
 from nosa.train.loss import weighted_loss
@@ -54,6 +54,11 @@ def run(cfg: TrainConfig) -> dict:
         tok_path = tok_path or os.path.join(data_dir, "tokenizer")
         train_files = {n: [synthetic.train_file(data_dir, n, cfg.seq_len)] for n in cfg.seq_lens}
         eval_files = cfg.data.eval_files or [os.path.join(data_dir, "heldout.jsonl")]
+    elif cfg.data.ruler is not None:
+        data_dir = prepare_ruler(cfg.data.ruler, cfg.seq_len, tok_path, rank)
+        train_files = {cfg.seq_len: [os.path.join(data_dir, "train.jsonl")]}
+        eval_files = cfg.data.eval_files or ([os.path.join(data_dir, "heldout.jsonl")]
+                                             if cfg.data.ruler.heldout_examples else [])
     else:
         train_files = {n: cfg.data.train_files for n in cfg.seq_lens}
         eval_files = cfg.data.eval_files
@@ -103,8 +108,11 @@ def run(cfg: TrainConfig) -> dict:
             if cfg.distill_rows:
                 fitted = fit_eviction_heads(model, rows.select(range(min(cfg.distill_rows, len(rows)))),
                                             cfg.nosa_config, cfg.distill_steps, cfg.distill_lr,
-                                            cfg.distill_scale, cfg.data.answer_weight, print0)
+                                            cfg.distill_scale, cfg.data.answer_weight, print0,
+                                            progress=rank == 0 and cfg.progress)
                 logger.log(fitted, step=state["step"])
+                path = checkpoint.save_model(model, tokenizer, cfg.to_dict(), os.path.join(cfg.out_dir, "fitted"))
+                print0(f"saved {path} (the fitted model, before the fine-tune)")
             if eval_rows is not None:  # what the fine-tune starts from: the converted model, A set
                 start_eval = {f"converted/{k.split('/', 1)[1]}": v
                               for k, v in evaluate(model, eval_rows, cfg.eval_examples).items()}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 from dataclasses import asdict, dataclass
@@ -129,11 +130,13 @@ def make_examples(tokenizer, haystack: Haystack, task: str, length: int, count: 
     length, i), so a larger count extends a smaller one."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; known: {list(TASKS)}")
-    return [_example(tokenizer, haystack, task, length, i, random.Random(f"{seed}/{task}/{length}/{i}"))
+    return [_render(tokenizer, haystack, task, length, i, random.Random(f"{seed}/{task}/{length}/{i}"))[0]
             for i in range(count)]
 
 
-def _example(tokenizer, haystack: Haystack, task: str, length: int, index: int, rng: random.Random) -> Example:
+def _render(tokenizer, haystack: Haystack, task: str, length: int, index: int,
+            rng: random.Random) -> tuple[Example, str]:
+    """(the example, its prompt as text)."""
     from nosa.chat import chat_text
 
     instruction, needles, question, prefix, references = _TASK_BUILDERS[task](rng)
@@ -166,8 +169,78 @@ def _example(tokenizer, haystack: Haystack, task: str, length: int, index: int, 
         cut = max(1, int(excess / 3))  # a third of the excess in words: prose rarely runs 3 tokens a word
         filler = filler[:-1] + ([" ".join(words[:-cut])] if cut < len(words) else [])
     context_end = sum(1 for start, _ in enc["offset_mapping"] if start < hay_end)
-    return Example(task, length, index, tuple(enc["input_ids"]), context_end, tuple(references), max_new,
-                   tuple(round(d, 4) for d in depths))
+    example = Example(task, length, index, tuple(enc["input_ids"]), context_end, tuple(references), max_new,
+                      tuple(round(d, 4) for d in depths))
+    return example, text
+
+
+def training_examples(tokenizer, haystack: Haystack, tasks, length: int, count: int, seed: int | str) -> list[dict]:
+    """``count`` examples per task at ``length`` tokens, built like ``make_examples``'s (over the
+    prose of ``haystack``: the training documents, so the benchmark's held-out prose stays unseen) and
+    answered: ``{"text", "targets", "task"}``, the text being the prompt, the reference reply
+    (``reference_reply``) and the end of the turn; ``targets`` the character span of reply and end
+    (nosa.train.data's supervised format). Example i of every task comes before example i + 1 of
+    any. Their random stream is not the benchmark's."""
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown task {unknown[0]!r}; known: {list(TASKS)}")
+    out = []
+    for i in range(count):  # round robin over the tasks: the first n rows cover every task
+        for task in tasks:
+            rng = random.Random(f"train/{seed}/{task}/{length}/{i}")
+            ex, prompt = _render(tokenizer, haystack, task, length, i, rng)
+            answer = reference_reply(ex.references) + tokenizer.eos_token
+            out.append({"text": prompt + answer, "targets": [[len(prompt), len(prompt) + len(answer)]], "task": task})
+    return out
+
+
+def write_training_set(out_dir: str, tokenizer, tasks, length: int, train: int, heldout: int, seed: int,
+                       meta: dict | None = None) -> str:
+    """Write ``train.jsonl`` (``train`` examples per task over the training documents of
+    nosa.train.prose), ``heldout.jsonl`` (``heldout`` per task over the held-out documents that the
+    benchmark also uses, from another random stream than the benchmark's examples) and ``meta.json``
+    (``meta`` and the arguments) into ``out_dir``, atomically (a temp dir, then a rename)."""
+    import shutil
+
+    from nosa.train import prose
+
+    train_docs, _ = prose.split(prose.documents())
+    _, heldout_docs = prose.split(prose.documents(prose.FIXED_SOURCES))
+    tmp = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        for name, docs, count in (("train", train_docs, train), ("heldout", heldout_docs, heldout)):
+            examples = training_examples(tokenizer, Haystack(tokenizer, [d.text for d in docs]), tasks, length,
+                                         count, seed if name == "train" else f"heldout/{seed}")
+            with open(os.path.join(tmp, f"{name}.jsonl"), "w") as f:
+                for ex in examples:
+                    f.write(json.dumps(ex) + "\n")
+        info = dict(meta or {}, tasks=list(tasks), length=length, train=train, heldout=heldout, seed=seed)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(info, f, indent=1, sort_keys=True)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_meta(out_dir: str) -> dict | None:
+    """meta.json of a directory written by ``write_training_set`` (None when there is none)."""
+    path = os.path.join(out_dir, "meta.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def reference_reply(references) -> str:
+    """The reply a training example teaches after the answer prefix: " 12345.", " red box.",
+    " 1234567 and 7654321."."""
+    return " " + " and ".join(references) + "."
 
 
 def _number(rng: random.Random, digits: int) -> str:

@@ -55,3 +55,32 @@ def test_examples_fit_hide_the_answer_in_the_context_and_are_deterministic(task,
 def test_unknown_task_is_a_clear_error(real_tokenizer, haystack):
     with pytest.raises(ValueError, match="unknown task 'nope'"):
         ruler.make_examples(real_tokenizer, haystack, "nope", 1024, 1, 0)
+
+
+
+@pytest.mark.real
+def test_training_examples_are_the_suite_prompts_answered_and_label_only_the_reply(real_tokenizer, haystack,
+                                                                                   tmp_path):
+    import json
+
+    from nosa.train.data import IGNORE, load_files, tokenize
+
+    length = 1024
+    rows = ruler.training_examples(real_tokenizer, haystack, ["niah_single", "qa"], length, 2, seed=3)
+    assert [r["task"] for r in rows] == ["niah_single", "qa", "niah_single", "qa"]  # round robin
+    for row in rows:
+        (start, end), = row["targets"]
+        reply = row["text"][start:end]
+        assert end == len(row["text"]) and reply.endswith(real_tokenizer.eos_token)
+        references = reply.removesuffix(real_tokenizer.eos_token).strip(" .").split(" and ")
+        assert ruler.is_right(reply, references)
+        assert all(r in row["text"][:start] for r in references)  # the answer is stated in the prompt
+        prompt_ids = real_tokenizer(row["text"][:start], add_special_tokens=False)["input_ids"]
+        assert len(prompt_ids) <= length - ruler.MAX_NEW_TOKENS[row["task"]]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    ds = tokenize(load_files([str(tmp_path / "rows.jsonl")]), real_tokenizer)
+    for row, ids, labels in zip(rows, ds["input_ids"], ds["labels"]):
+        assert ids[0] == real_tokenizer.bos_token_id != ids[1]  # the template's own BOS, not a second one
+        labelled = [t for t, lab in zip(ids, labels) if lab != IGNORE]
+        (start, _), = row["targets"]
+        assert real_tokenizer.decode(labelled).strip() == row["text"][start:].strip()
