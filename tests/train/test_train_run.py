@@ -158,13 +158,16 @@ class _Tok:
 
 def test_checkpoint_is_accepted_by_the_serving_loader(first):
     serve_ckpt = pytest.importorskip("nosa.serve.checkpoint")
+    from nosa.serve.parallel import KVHeadShard
+
     cfg, result = first
     path = os.path.join(cfg.out_dir, "nosa")
     config, from_checkpoint = serve_ckpt.load_nosa_config(path)
     assert from_checkpoint and config == cfg.nosa_config
     hf = result["model"].config
+    one_rank = KVHeadShard(hf.num_key_value_heads, hf.num_key_value_heads)  # every KV head, no TP
     heads = serve_ckpt.load_eviction_heads(
-        path, hf.num_hidden_layers, hf.num_key_value_heads, hf.hidden_size // hf.num_attention_heads, "cpu"
+        path, hf.num_hidden_layers, one_rank, hf.hidden_size // hf.num_attention_heads, "cpu"
     )
     trained = result["model"].model.layers[1].self_attn.nosa_evict
     assert torch.equal(heads[1].scale, trained.scale.detach().float())
