@@ -240,18 +240,21 @@ def serve_and_ask(plan: Plan, args, work: str) -> tuple[list[dict], float, dict,
     env.update(plan.env or {})
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below, which stops the server
     server = ServerProcess(plan.serve_path, flags, log, env)
+    # not a with-block: its exit waits for the requests in flight, which an 8K prompt keeps busy for
+    # minutes; on Ctrl-C or SIGTERM the server is stopped instead, which ends them
+    pool = ThreadPoolExecutor(args.concurrency)
     failed = True
     try:
         server.wait_ready(timeout=600)
         start = time.perf_counter()
-        with ThreadPoolExecutor(args.concurrency) as pool:
-            got = list(pool.map(lambda q: ask(server.url, "nosa", q), plan.questions))
+        got = list(pool.map(lambda q: ask(server.url, "nosa", q), plan.questions))
         seconds = time.perf_counter() - start
         server.post("/flush_cache", {})  # the registry writes its counters once the requests are gone
         time.sleep(1.5)
         served = counters(stats_file)
         failed = False
     finally:
+        pool.shutdown(wait=False, cancel_futures=True)
         server.stop()
         if failed:
             print(f"serve_ask: failed; the server log is {log}", file=sys.stderr)
