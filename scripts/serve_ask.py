@@ -286,7 +286,8 @@ def main(argv=None) -> int:
         ok = is_right(q, reply)
         right += ok
         want = " / ".join(e.strip() for e in q.expected)
-        shown = reply.strip() or repr(reply)
+        shown = " ".join(reply.split()) or repr(reply)  # one line: a chat reply may span several
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
         lines.setdefault(q.group, []).append(f"{q.label}->{shown}{'' if ok else f' (want {want})'}"
                                              f" {'ok' if ok else 'WRONG'}")
         answers.append({"group": q.group, "label": q.label, "expected": list(q.expected), "right": ok,
