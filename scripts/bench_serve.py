@@ -4,6 +4,9 @@
     .venv/bin/python scripts/bench_serve.py --backends torch_native nosa nosa+compile --contexts 4096 32768
     .venv/bin/python scripts/bench_serve.py --checkpoint runs/tiny/nosa --backends nosa nosa+offload --contexts 2048
     .venv/bin/python scripts/bench_serve.py --backends nosa --tp-sizes 1 2 --evict-scale 1 --contexts 32768
+    .venv/bin/python scripts/bench_serve.py --checkpoint runs/smollm2/nosa --compare a0=runs/smollm2-a0/nosa \
+        --prompts suite --share 4 --contexts 8192 --batch 1 --new-tokens 16 --threads 1 \
+        --backends torch_native nosa nosa+offload+sched            # the real model at 8K
 
 Builds a tiny random Llama (2 layers, hidden 256, GQA 8/2; a dense checkpoint, so the backend uses
 the released NosaConfig defaults: 64 blocks of 64 tokens, dense_len 4096), then for each variant
@@ -13,9 +16,17 @@ requests with streaming (see ``measure``: the decode step time is the median int
 streamed tokens while the whole batch decodes, so prefill and request handling are excluded).
 Contexts above the model's dense_len (4096) are where NOSA's selection applies. ``--backends``
 picks variants (VARIANTS: eager or under SGLang's CPU graph runner, offloading off or on);
-``--checkpoint`` serves another checkpoint (its NosaConfig). The JSON's ``ratios`` compare the
-variants per context, each variant's longest context with its shortest, and each TP size with the
-first. Not a test: nothing is asserted.
+``--checkpoint`` serves another checkpoint (its NosaConfig; ``--share N``: the long-context
+suite's NosaConfig for the longest context and 1/N of its blocks, with the checkpoint's eviction
+heads). A prompt and its new tokens stay within the model's ``max_position_embeddings``, so at
+SmolLM2's 8,192 an "8192" prompt is a few dozen tokens shorter (``prompt_tokens`` in each row).
+``--prompts suite`` sends the long-context suite's chat prompts (nosa.train.ruler, one task per
+request) instead of random token ids: what a chat model's selection and hit rate are about.
+Offloading variants write the server's counters to a stats file; each row gets the decode steps'
+hit rate and recalled bytes (``offload``). ``--compare LABEL=PATH`` adds checkpoints served with
+the offloading variants only (fitted heads beside A = 0, say). The JSON's ``ratios`` compare the
+variants per context (the ``--checkpoint``'s rows), each variant's longest context with its
+shortest, and each TP size with the first. Not a test: nothing is asserted.
 
 ``--evict-scale A`` (A > 0) converts the model to a NOSA checkpoint with random eviction heads of
 scale A, so that under tensor parallelism the ranks exchange the eviction heads' partial sums
@@ -45,6 +56,7 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
 def build_model(path: str, evict_scale: float = 0.0) -> None:
@@ -85,9 +97,31 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = False,
+def random_prompts(context: int, batch: int, vocab: int = 256) -> list[list[int]]:
+    """``batch`` prompts of ``context`` random token ids below ``vocab`` (seeded by ``context``)."""
+    import torch
+
+    g = torch.Generator().manual_seed(context)
+    return [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)]
+
+
+def suite_prompts(checkpoint: str, length: int, batch: int) -> list[list[int]]:
+    """``batch`` prompts of the long-context suite (nosa.train.ruler over held-out prose, one task
+    after another) of at most ``length`` tokens, through the checkpoint's tokenizer and chat template."""
+    from transformers import AutoTokenizer
+
+    from nosa.serve.tools.suite_chat import suite_examples
+    from nosa.train.ruler import TASKS
+
+    tasks = TASKS[:min(batch, len(TASKS))]
+    examples = suite_examples(AutoTokenizer.from_pretrained(checkpoint), tasks, length, -(-batch // len(tasks)))
+    order = sorted(range(len(examples)), key=lambda i: (examples[i].index, i))  # example 0 of every task first
+    return [list(examples[i].prompt_ids) for i in order[:batch]]
+
+
+def measure(server, prompts: list[list[int]], new_tokens: int, warm_up: bool = False,
             cpu_pid: int | None = None) -> dict | None:
-    """One batch of ``batch`` concurrent greedy requests of ``context`` random prompt tokens, streamed.
+    """One batch of concurrent greedy requests, one per prompt, streamed.
 
     Prefill: until every request has its first token (``prefill_s``; with ``cpu_pid``, the server's
     scheduler process, also its CPU seconds over that time, ``prefill_cpu_s``: less sensitive than
@@ -100,11 +134,8 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
     Nothing here depends on the prefix cache or on work done before the first token."""
     import statistics
 
-    import torch
-
     server.post("/flush_cache", {})
-    g = torch.Generator().manual_seed(context)
-    prompts = [torch.randint(0, 256, (context,), generator=g).tolist() for _ in range(batch)]
+    batch = len(prompts)
     cpu_start = cpu_seconds(cpu_pid) if cpu_pid else 0.0
     start = time.perf_counter()
     streams = [[] for _ in prompts]
@@ -129,7 +160,8 @@ def measure(server, context: int, batch: int, new_tokens: int, warm_up: bool = F
     if len(per_token) < batch * 8:
         raise RuntimeError(f"too few decode steps with the whole batch running ({len(per_token)}); raise --new-tokens")
     step = statistics.median(per_token)
-    return {"context": context, "batch": batch, "decode_tokens_per_s": round(batch / step, 2),
+    return {"prompt_tokens": max(len(p) for p in prompts), "batch": batch,
+            "decode_tokens_per_s": round(batch / step, 2),
             "ms_per_decode_step": round(1000 * step, 2),
             "ms_per_decode_step_mean": round(1000 * statistics.fmean(per_token), 2),
             "decode_intervals": len(per_token), "prefill_s": round(all_decoding, 2),
@@ -179,13 +211,15 @@ VARIANTS = {
     "nosa": "the nosa backend, eager",
     "nosa+compile": "the nosa backend under SGLang's CPU graph runner (--enable-torch-compile, one graph: the batch)",
     "nosa+offload": "the nosa backend with offloading on (NOSA_OFFLOAD=1, page size = block size)",
+    "nosa+offload+sched": "offloading on with the recall scheduler (NOSA_RECALL_SCHEDULER=1)",
     "nosa+offload+compile": "offloading on, under the CPU graph runner",
 }
 
 
 def server_setup(variant: str, flags: list[str], cfg, batch: int, host_tokens: int, threads: int | None,
-                 tp: int = 1):
-    """(server arguments, environment) of a variant of VARIANTS at tensor-parallel size ``tp``."""
+                 tp: int = 1, stats_file: str | None = None):
+    """(server arguments, environment) of a variant of VARIANTS at tensor-parallel size ``tp``; an
+    offloading variant writes its counters to ``stats_file`` when given."""
     from nosa.serve.tools.process import cpu_binding
 
     backend = "torch_native" if variant == "torch_native" else "nosa"
@@ -198,6 +232,10 @@ def server_setup(variant: str, flags: list[str], cfg, batch: int, host_tokens: i
         server_args += ["--page-size", str(cfg.block_size)]
         env.update(NOSA_OFFLOAD="1", NOSA_HOST_KV_TOKENS=str(host_tokens),
                    NOSA_DEVICE_KV_TOKENS=str(batch * cfg.topk_blocks * cfg.block_size))
+        if stats_file:
+            env["NOSA_SERVE_STATS_FILE"] = stats_file
+    if "sched" in variant:
+        env["NOSA_RECALL_SCHEDULER"] = "1"
     if "compile" in variant:
         server_args += ["--enable-torch-compile", "--cuda-graph-bs-decode", str(batch)]
         import sgl_kernel
@@ -215,7 +253,7 @@ def ratios(results: list[dict], contexts: list[int], tp_sizes: list[int]) -> dic
     out = {}
     first = [r for r in results if r["tp_size"] == tp_sizes[0]]
     pairs = {"torch_native_over_nosa": ("torch_native", "nosa"), "nosa_over_nosa_compile": ("nosa", "nosa+compile"),
-             "offload_over_nosa": ("nosa+offload", "nosa"),
+             "offload_over_nosa": ("nosa+offload", "nosa"), "offload_sched_over_nosa": ("nosa+offload+sched", "nosa"),
              "offload_over_offload_compile": ("nosa+offload", "nosa+offload+compile")}
     for context in contexts:
         by = {r["backend"]: r["ms_per_decode_step"] for r in first if r["context"] == context}
@@ -235,12 +273,12 @@ def ratios(results: list[dict], contexts: list[int], tp_sizes: list[int]) -> dic
     return out
 
 
-def profiled_measure(server, context: int, batch: int, new_tokens: int, spy_path: str | None) -> dict:
+def profiled_measure(server, prompts: list[list[int]], new_tokens: int, spy_path: str | None) -> dict:
     """``measure`` with the scheduler's CPU seconds; with ``spy_path``, py-spy samples the scheduler
     meanwhile (raw stacks to that file) and the row gets ``extend_profile``."""
     pid = scheduler_pid(server)
     if spy_path is None:
-        return measure(server, context, batch, new_tokens, cpu_pid=pid)
+        return measure(server, prompts, new_tokens, cpu_pid=pid)
     os.makedirs(os.path.dirname(spy_path), exist_ok=True)
     # py-spy as installed beside this Python (a venv's bin), else on PATH
     py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy") or "py-spy"
@@ -248,11 +286,32 @@ def profiled_measure(server, context: int, batch: int, new_tokens: int, spy_path
     spy = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", "50", "--nonblocking", "--format", "raw",
                             "-o", spy_path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        row = measure(server, context, batch, new_tokens, cpu_pid=pid)
+        row = measure(server, prompts, new_tokens, cpu_pid=pid)
     finally:
         spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         spy.wait(timeout=120)
     return {**row, "extend_profile": extend_profile(spy_path)}
+
+
+def served_counters(server, stats_file: str) -> dict:
+    """The offloading counters of ``stats_file`` once the server has released its requests (the
+    registry writes them then): scripts/serve_ask.py's ``counters``."""
+    from serve_ask import counters
+
+    server.post("/flush_cache", {})
+    time.sleep(1.5)
+    return counters(stats_file)
+
+
+def counter_delta(before: dict | None, after: dict) -> dict:
+    """Hit rates and recalled bytes of the decode steps between two ``served_counters`` readings."""
+    keys = ("decode_layer_steps", "selected_items", "hit_items", "warm_selected_items", "warm_hit_items",
+            "recalled_items", "recalled_bytes", "prefetched_items")
+    out = {k: after[k] - (before or {}).get(k, 0) for k in keys}
+    out["hit_rate"] = round(out["hit_items"] / out["selected_items"], 4) if out["selected_items"] else None
+    warm = out["warm_selected_items"]
+    out["warm_hit_rate"] = round(out["warm_hit_items"] / warm, 4) if warm else None
+    return out
 
 
 def main() -> None:
@@ -266,6 +325,15 @@ def main() -> None:
                     help="variants, each its own server in turn (see VARIANTS)")
     ap.add_argument("--checkpoint", default=None,
                     help="serve this checkpoint (e.g. the quickstart's runs/tiny/nosa), not the tiny random Llama")
+    ap.add_argument("--compare", nargs="+", default=[], metavar="LABEL=PATH",
+                    help="more NOSA checkpoints (e.g. A = 0 beside fitted heads), each served with the offloading "
+                         "variants of --backends only: hit rates and recalled bytes side by side")
+    ap.add_argument("--prompts", choices=["random", "suite"], default="random",
+                    help="random token ids, or the long-context suite's chat prompts (nosa.train.ruler; a chat "
+                         "model such as SmolLM2), one task per request")
+    ap.add_argument("--share", type=int, default=None,
+                    help="serve every checkpoint at the suite's NosaConfig for the longest context and 1/share "
+                         "of its blocks (bench_longctx.budget_config) with its own eviction heads")
     ap.add_argument("--tp-sizes", type=int, nargs="+", default=[1],
                     help="tensor-parallel sizes to run side by side (--tp-size of each server)")
     ap.add_argument("--evict-scale", type=float, default=0.0,
@@ -290,37 +358,63 @@ def main() -> None:
     if ckpt is None:
         ckpt = os.path.join(work, "tiny-llama")
         build_model(ckpt, args.evict_scale)
-    cfg = load_nosa_config(ckpt)[0] if args.checkpoint else NosaConfig()
-    max_ctx = max(args.contexts) + args.new_tokens + 16
+    checkpoints = [("main", ckpt)] + [tuple(c.split("=", 1)) for c in args.compare]
+    if args.share:
+        from bench_longctx import budget_config
+
+        from nosa.serve.tools.suite_chat import suite_view
+
+        share_cfg = budget_config(max(args.contexts), args.share)
+        checkpoints = [(label, suite_view(path, share_cfg, os.path.join(work, f"view-{label}")))
+                       for label, path in checkpoints]
+    cfg = load_nosa_config(checkpoints[0][1])[0] if args.checkpoint else NosaConfig()
+    with open(os.path.join(ckpt, "config.json")) as f:
+        positions = json.load(f).get("max_position_embeddings") or 1 << 30
+    max_ctx = min(max(args.contexts) + args.new_tokens + 16, positions)
+    # a prompt and its new tokens fit the model's positions (SmolLM2: 8,192)
+    prompts = {c: suite_prompts(ckpt, min(c, max_ctx - args.new_tokens), args.batch) if args.prompts == "suite"
+               else random_prompts(min(c, max_ctx - args.new_tokens - 16), args.batch) for c in args.contexts}
     host_tokens = args.batch * max_ctx + 1024
     flags = ["--skip-server-warmup", "--dtype", "float32", "--chunked-prefill-size", "-1",
              "--mem-fraction-static", "0.3", "--context-length", str(max_ctx),
              "--max-total-tokens", str(host_tokens), "--max-running-requests", str(args.batch)]
     results = []
-    for variant in args.backends:
-        for tp in args.tp_sizes:
-            server_args, env = server_setup(variant, flags, cfg, args.batch, host_tokens, args.threads, tp)
-            start = time.perf_counter()
-            server = ServerProcess(ckpt, server_args, os.path.join(work, f"{variant}_tp{tp}.log"), env=env).wait_ready(
-                timeout=1800)  # the compiled variants build their decode graph at start-up
-            startup = round(time.perf_counter() - start, 1)
-            try:
-                measure(server, 512, args.batch, 16, warm_up=True)  # first-call costs of a fresh server
-                for context in args.contexts:
-                    spy = os.path.join(args.py_spy, f"{variant}_tp{tp}_{context}.txt") if args.py_spy else None
-                    row = {"backend": variant, "tp_size": tp,
-                           **profiled_measure(server, context, args.batch, args.new_tokens, spy),
-                           "server_start_s": startup}
-                    print(json.dumps(row), flush=True)
-                    results.append(row)
-            finally:
-                server.stop()
+    for label, path in checkpoints:
+        for variant in args.backends:
+            if label != "main" and "offload" not in variant:
+                continue
+            for tp in args.tp_sizes:
+                stats = os.path.join(work, f"{label}_{variant}_tp{tp}.stats.json") if "offload" in variant else None
+                server_args, env = server_setup(variant, flags, cfg, args.batch, host_tokens, args.threads, tp, stats)
+                start = time.perf_counter()
+                server = ServerProcess(path, server_args, os.path.join(work, f"{label}_{variant}_tp{tp}.log"),
+                                       env=env).wait_ready(timeout=1800)  # compiled variants build a graph first
+                startup = round(time.perf_counter() - start, 1)
+                try:
+                    measure(server, random_prompts(512, args.batch), 16, warm_up=True)  # a fresh server's first calls
+                    before = served_counters(server, stats) if stats else None
+                    for context in args.contexts:
+                        spy = (os.path.join(args.py_spy, f"{label}_{variant}_tp{tp}_{context}.txt")
+                               if args.py_spy else None)
+                        row = {"checkpoint": label, "backend": variant, "tp_size": tp, "context": context,
+                               **profiled_measure(server, prompts[context], args.new_tokens, spy),
+                               "server_start_s": startup}
+                        if stats:
+                            after = served_counters(server, stats)
+                            row["offload"] = counter_delta(before, after)
+                            before = after
+                        print(json.dumps(row), flush=True)
+                        results.append(row)
+                finally:
+                    server.stop()
+    main_rows = [r for r in results if r["checkpoint"] == "main"]
     report = {"model": f"checkpoint {args.checkpoint}" if args.checkpoint else
               "llama 2 layers, hidden 256, GQA 8/2, fp32, random weights",
+              "checkpoints": dict(checkpoints), "prompts": args.prompts,
               "nosa_config": cfg.to_dict(), "evict_scale": None if args.checkpoint else args.evict_scale,
               "device": "cpu", "cpus": os.cpu_count(), "threads": args.threads, "command": " ".join(sys.argv),
               "variants": {v: VARIANTS[v] for v in args.backends},
-              "results": results, "ratios": ratios(results, args.contexts, args.tp_sizes)}
+              "results": results, "ratios": ratios(main_rows, args.contexts, args.tp_sizes)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

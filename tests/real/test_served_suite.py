@@ -1,0 +1,80 @@
+"""The real model served with offloading, in short: scripts/serve_ask.py --suite asks the suite's
+prompts (nosa.train.ruler, 512 tokens) through /v1/chat/completions of an SGLang server with
+offloading on and a device budget of a quarter of each prompt's blocks; every served reply equals
+the greedy reply of the HF NOSA model (nosa.from_pretrained) of the same checkpoint and NosaConfig.
+
+The checkpoint is SmolLM2 converted to NOSA with random eviction heads (A != 0), so that the
+served selection goes through the heads and not only through the training-free part."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.real
+pytest.importorskip("sglang")
+from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+LENGTH, SHARE, TASKS = 512, 4, ("passkey", "niah_single", "qa")
+
+
+@pytest.fixture(scope="module")
+def random_heads_checkpoint(dense_model_once, real_tokenizer, tmp_path_factory):
+    if tiny.cpu_engine_missing():
+        pytest.skip(tiny.cpu_engine_missing())
+    import copy
+
+    from bench_longctx import budget_config
+
+    import nosa
+    from nosa.tiny import set_eviction_heads
+
+    model = copy.deepcopy(dense_model_once)
+    nosa.convert(model, budget_config(LENGTH, SHARE))
+    set_eviction_heads(model, scale=0.5, std=0.3, seed=0, bias_std=0.3)
+    path = tmp_path_factory.mktemp("smollm2") / "nosa"
+    model.save_pretrained(path)
+    real_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_served_replies_equal_the_hf_nosa_model(random_heads_checkpoint, real_tokenizer, tmp_path):
+    import torch
+
+    import nosa
+    from nosa.serve.tools.suite_chat import suite_examples
+
+    out = tmp_path / "summary.json"
+    cmd = [sys.executable, "scripts/serve_ask.py", "--suite", "--checkpoint", random_heads_checkpoint,
+           "--length", str(LENGTH), "--share", str(SHARE), "--tasks", *TASKS, "--concurrency", "3",
+           "--device-requests", "2", "--out", str(out), "--plot", ""]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    served = summary["answers"]
+    assert [a["label"] for a in served] == list(TASKS)
+
+    model = nosa.from_pretrained(random_heads_checkpoint).eval()
+    assert model.config.nosa["topk_blocks"] * SHARE * 32 == LENGTH  # the same NosaConfig as the server's
+    examples = suite_examples(real_tokenizer, TASKS, LENGTH, 1)
+    for ex, answer in zip(examples, served):
+        assert answer["served_prompt_tokens"] == len(ex.prompt_ids)  # the chat messages gave the suite's prompt
+        ids = torch.tensor([ex.prompt_ids])
+        with torch.no_grad():
+            reply = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ex.max_new_tokens,
+                                   do_sample=False, pad_token_id=real_tokenizer.eos_token_id)
+        hf = real_tokenizer.decode(reply[0, ids.shape[1]:], skip_special_tokens=True)
+        assert answer["reply"] == hf, (ex.task, answer["reply"], hf)
+
+    # offloading was on and sparse: a request held a quarter of its blocks, recalled the rest
+    assert summary["device_tokens_per_request"] * SHARE == LENGTH
+    assert summary["peak_device_tokens"] <= summary["device_budget_tokens"] < summary["prompt_tokens"]
+    assert summary["decode_layer_steps"] > 0 and summary["recalled_items"] > 0
+    assert summary["requests_after"] == 0 and summary["device_slots_in_use_after"] == 0
