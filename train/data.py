@@ -23,6 +23,7 @@ so a resumed run sees exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -157,6 +158,16 @@ def build_rows(paths, tokenizer, seq_len: int, text_field: str = "text", num_pro
     return pack(ds, seq_len, tokenizer.pad_token_id, tokenizer.eos_token_id, examples)
 
 
+def read_meta(out_dir: str) -> dict | None:
+    """meta.json of a data directory written by nosa.train.synthetic or nosa.train.ruler (the
+    settings its rows were made with), None when there is none."""
+    path = os.path.join(out_dir, "meta.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def prepare_synthetic(
     sec, seq_len: int, vocab_size: int, tokenizer_path: str | None, rank: int, lengths=(), head: int = 0, tail: int = 0
 ) -> str:
@@ -178,7 +189,7 @@ def prepare_synthetic(
         tail=tail,
         depth=list(sec.depth),
     )
-    meta = synthetic.read_meta(sec.dir) or {}
+    meta = read_meta(sec.dir) or {}
     same = all(meta.get(k) == v for k, v in want.items()) and all(
         meta.get(k) == v
         for k, v in dict(
@@ -224,7 +235,7 @@ def prepare_ruler(sec, seq_len: int, tokenizer_path: str, rank: int) -> str:
 
     want = dict(version=2, tokenizer=os.path.abspath(tokenizer_path), tasks=list(sec.tasks), length=seq_len,
                 train=sec.train_examples, heldout=sec.heldout_examples, seed=sec.seed)
-    meta = ruler.read_meta(sec.dir) or {}
+    meta = read_meta(sec.dir) or {}
     if rank == 0 and any(meta.get(k) != v for k, v in want.items()):
         ruler.write_training_set(sec.dir, load_tokenizer(tokenizer_path), sec.tasks, seq_len, sec.train_examples,
                                  sec.heldout_examples, sec.seed, meta=want)

@@ -228,15 +228,6 @@ def write_training_set(out_dir: str, tokenizer, tasks, length: int, train: int, 
     return out_dir
 
 
-def read_meta(out_dir: str) -> dict | None:
-    """meta.json of a directory written by ``write_training_set`` (None when there is none)."""
-    path = os.path.join(out_dir, "meta.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
 def reference_reply(references) -> str:
     """The reply a training example teaches after the answer prefix: " 12345.", " red box.",
     " 1234567 and 7654321."."""

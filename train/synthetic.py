@@ -272,11 +272,3 @@ def train_file(out_dir: str, length: int, final_length: int) -> str:
     """The training file of a curriculum stage at ``length`` tokens."""
     name = "train.jsonl" if length == final_length else f"train-{length}.jsonl"
     return os.path.join(out_dir, name)
-
-
-def read_meta(out_dir: str) -> dict | None:
-    path = os.path.join(out_dir, "meta.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
