@@ -23,10 +23,11 @@ so a resumed run sees exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
+
+from nosa.train.datadir import read_meta
 
 IGNORE = -100
 
@@ -156,16 +157,6 @@ def build_rows(paths, tokenizer, seq_len: int, text_field: str = "text", num_pro
     examples = "targets" in ds.column_names
     ds = tokenize(ds, tokenizer, text_field, num_proc, targets_only)
     return pack(ds, seq_len, tokenizer.pad_token_id, tokenizer.eos_token_id, examples)
-
-
-def read_meta(out_dir: str) -> dict | None:
-    """meta.json of a data directory written by nosa.train.synthetic or nosa.train.ruler (the
-    settings its rows were made with), None when there is none."""
-    path = os.path.join(out_dir, "meta.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def prepare_synthetic(

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import re
 from dataclasses import asdict, dataclass
@@ -200,32 +199,15 @@ def write_training_set(out_dir: str, tokenizer, tasks, length: int, train: int, 
     nosa.train.prose), ``heldout.jsonl`` (``heldout`` per task over the held-out documents that the
     benchmark also uses, from another random stream than the benchmark's examples) and ``meta.json``
     (``meta`` and the arguments) into ``out_dir``, atomically (a temp dir, then a rename)."""
-    import shutil
-
-    from nosa.train import prose
+    from nosa.train import datadir, prose
 
     train_docs, _ = prose.split(prose.documents())
     _, heldout_docs = prose.split(prose.documents(prose.FIXED_SOURCES))
-    tmp = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        for name, docs, count in (("train", train_docs, train), ("heldout", heldout_docs, heldout)):
-            examples = training_examples(tokenizer, Haystack(tokenizer, [d.text for d in docs]), tasks, length,
-                                         count, seed if name == "train" else f"heldout/{seed}")
-            with open(os.path.join(tmp, f"{name}.jsonl"), "w") as f:
-                for ex in examples:
-                    f.write(json.dumps(ex) + "\n")
-        info = dict(meta or {}, tasks=list(tasks), length=length, train=train, heldout=heldout, seed=seed)
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(info, f, indent=1, sort_keys=True)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    files = ((name, training_examples(tokenizer, Haystack(tokenizer, [d.text for d in docs]), tasks, length, count,
+                                      seed if name == "train" else f"heldout/{seed}"))
+             for name, docs, count in (("train", train_docs, train), ("heldout", heldout_docs, heldout)))
+    info = dict(meta or {}, tasks=list(tasks), length=length, train=train, heldout=heldout, seed=seed)
+    return datadir.write(out_dir, files, info)
 
 
 def reference_reply(references) -> str:

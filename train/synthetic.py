@@ -29,11 +29,11 @@ examples come from different random streams (the split name is part of every exa
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import shutil
 from typing import Callable
+
+from nosa.train import datadir
 
 TASKS = ("recall", "passkey", "multikey", "mqar", "vartrack")
 _CONS = "bdfgklmnprstvz"
@@ -239,33 +239,16 @@ def write_dataset(
     warm-up of the dense model and place facts anywhere (a short row has no room for sinks and a
     window, and a budget that covers the whole row selects everything anyway). Every example leaves
     ``reserve`` tokens of its length free (the BOS the training data puts in front of it)."""
-    tmp = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        files = [("train", train, length, "train", placement), ("heldout", heldout, length, "heldout", placement)]
-        files += [(f"train-{n}", train, n, "train", {}) for n in sorted(set(lengths) - {length})]
-        for name, count, n, split, where in files:
-            with open(os.path.join(tmp, f"{name}.jsonl"), "w") as f:
-                for ex in make_split(list(tasks), count, n - reserve, seed, measure, split, **where):
-                    f.write(json.dumps(ex) + "\n")
-        if extra is not None:
-            extra(tmp)
-        info = dict(
-            meta or {}, tasks=list(tasks), train=train, heldout=heldout, length=length, seed=seed, reserve=reserve,
-            lengths=sorted(set(lengths) | {length}),
-            **{k: list(v) if isinstance(v, tuple) else v for k, v in placement.items()},
-        )
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(info, f, indent=1, sort_keys=True)
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    stages = [("train", train, length, "train", placement), ("heldout", heldout, length, "heldout", placement)]
+    stages += [(f"train-{n}", train, n, "train", {}) for n in sorted(set(lengths) - {length})]
+    files = ((name, make_split(list(tasks), count, n - reserve, seed, measure, split, **where))
+             for name, count, n, split, where in stages)  # one file's rows in memory at a time
+    info = dict(
+        meta or {}, tasks=list(tasks), train=train, heldout=heldout, length=length, seed=seed, reserve=reserve,
+        lengths=sorted(set(lengths) | {length}),
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in placement.items()},
+    )
+    return datadir.write(out_dir, files, info, extra)
 
 
 def train_file(out_dir: str, length: int, final_length: int) -> str:
