@@ -121,13 +121,20 @@ def test_kv_heads_and_host_pools_are_per_rank(servers):
                          "eviction heads need no other rank", mqa)
 
 
+def _idle_stats(server, ranks) -> list[dict]:
+    """The stats file of each of ``ranks`` ("tp0", "dp1"), checked to hold no request state and no
+    device slot."""
+    stats = [_stats(_rank_file(server, rank)) for rank in ranks]
+    for counts in stats:
+        assert counts["requests"] == 0 and counts["layer_states"] == 0, counts
+        assert counts["device_slots_in_use"] == 0, counts
+    return stats
+
+
 def test_tensor_parallel_concurrent_requests_free_every_rank(servers, want):
     server = servers["tp_offload"]
     assert _at_once(server) == want["mixed"]
-    ranks = [_stats(_rank_file(server, f"tp{r}")) for r in (0, 1)]
-    for counts in ranks:
-        assert counts["requests"] == 0 and counts["layer_states"] == 0, counts
-        assert counts["device_slots_in_use"] == 0, counts
+    ranks = _idle_stats(server, ("tp0", "tp1"))
     # both ranks ran every request, step for step
     assert ranks[0]["freed_total"] == ranks[1]["freed_total"] >= len(MIXED)
     assert ranks[0]["offload"]["steps"] == ranks[1]["offload"]["steps"]
@@ -136,9 +143,7 @@ def test_tensor_parallel_concurrent_requests_free_every_rank(servers, want):
 def test_data_parallel_concurrent_requests_equal_one_replica(servers, want):
     server = servers["dp"]
     assert _at_once(server) == want["mixed"]
-    replicas = [_stats(_rank_file(server, f"dp{d}")) for d in (0, 1)]
+    replicas = _idle_stats(server, ("dp0", "dp1"))
     for counts in replicas:
-        assert counts["requests"] == 0 and counts["layer_states"] == 0, counts
-        assert counts["device_slots_in_use"] == 0, counts
         assert counts["freed_total"] >= 1, "each replica served requests"
     assert sum(c["freed_total"] for c in replicas) >= len(MIXED)
