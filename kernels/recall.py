@@ -13,14 +13,16 @@ call writes completed blocks back host-ward (dst = host tensors).
 - CUDA: one Triton launch for all pairs (K, V and cis together); a pinned host tensor is passed
   straight to the kernel (UVA), so no staging copy and no host synchronisation.
 - CPU (``ItemCopier``, the recall engine of a CPU server and the reference): items are viewed as
-  rows of wide elements (int64 when the item size allows: byte-row index_copy_ measured 5x slower),
-  gathered with index_select(out=staging) and scattered with index_copy_, in chunks small enough
-  that the staging buffer stays in cache (so the scatter reads cache, not memory).
+  rows (``copy_rows``: narrow elements widened, int64 when the item size allows: byte-row
+  index_copy_ measured 5x slower), gathered with index_select(out=staging) and scattered with
+  index_copy_, in chunks small enough that the staging buffer stays in cache (so the scatter reads
+  cache, not memory).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Sequence
 
@@ -76,11 +78,18 @@ def check_bounds(dst, src, dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None
 def item_rows(t: torch.Tensor) -> torch.Tensor:
     """[N, *item] contiguous -> [N, W] view in the widest integer type dividing the item's bytes."""
     rows = t.reshape(t.shape[0], -1)
-    nbytes = rows.shape[1] * t.element_size()
+    nbytes = math.prod(t.shape[1:]) * t.element_size()
     for wide, size in _WIDE:
         if nbytes % size == 0 and t.data_ptr() % size == 0:
-            return rows.view(torch.uint8).view(wide)
+            return rows if t.dtype == wide else rows.view(torch.uint8).view(wide)
     raise AssertionError("unreachable: uint8 divides everything")
+
+
+def copy_rows(t: torch.Tensor) -> torch.Tensor:
+    """[N, *item] contiguous -> [N, W] rows for the CPU gather-scatter: items of 4- or 8-byte
+    elements as they are (index_copy_ of float32 rows measured faster than of the same bytes as
+    int64), narrower ones widened (``item_rows``)."""
+    return t.reshape(t.shape[0], -1) if t.element_size() >= 4 else item_rows(t)
 
 
 class ItemCopier:
@@ -92,7 +101,7 @@ class ItemCopier:
     """
 
     def __init__(self, like: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES):
-        self._rows = [item_rows(t[:1]) for t in like]
+        self._rows = [copy_rows(t[:1]) for t in like]
         item_bytes = max(r.shape[1] * r.element_size() for r in self._rows)
         self.chunk = max(1, chunk_bytes // item_bytes)
         self._staging = [torch.empty(self.chunk, r.shape[1], dtype=r.dtype) for r in self._rows]
@@ -105,19 +114,24 @@ class ItemCopier:
         if len(dst) != len(self._staging):
             raise ValueError(f"ItemCopier: built for {len(self._staging)} pairs, got {len(dst)}")
         keep = src_idx >= 0
-        if not bool(keep.all()):
-            dst_idx, src_idx = dst_idx[keep], src_idx[keep]
-        if src_idx.numel() == 0:
+        if not bool(keep.all()):  # one nonzero for both lists (a boolean index runs one each)
+            which = keep.nonzero().squeeze(1)
+            dst_idx, src_idx = dst_idx.index_select(0, which), src_idx.index_select(0, which)
+        count = src_idx.numel()
+        if count == 0:
             return
         if debug_checks():
             check_bounds(dst, src, dst_idx, src_idx)
         for i, (d, s) in enumerate(zip(dst, src)):
-            d_rows, s_rows, staging = item_rows(d), item_rows(s), self._staging[i]
+            d_rows, s_rows, staging = copy_rows(d), copy_rows(s), self._staging[i]
             if d_rows.shape[1:] != staging.shape[1:] or d_rows.dtype != staging.dtype:
                 raise ValueError(f"ItemCopier: pair {i}: items of {tuple(d.shape[1:])} {d.dtype} do not match "
                                  f"the staging it was built for ({staging.shape[1]} x {staging.dtype})")
-            for lo in range(0, src_idx.numel(), self.chunk):
-                hi = min(lo + self.chunk, src_idx.numel())
+            if count <= self.chunk:  # the usual case: one chunk, no slicing
+                d_rows.index_copy_(0, dst_idx, torch.index_select(s_rows, 0, src_idx, out=staging[:count]))
+                continue
+            for lo in range(0, count, self.chunk):
+                hi = min(lo + self.chunk, count)
                 buf = staging[: hi - lo]
                 torch.index_select(s_rows, 0, src_idx[lo:hi], out=buf)
                 d_rows.index_copy_(0, dst_idx[lo:hi], buf)

@@ -2,18 +2,22 @@
 so that a decode step of the whole batch runs on fixed shapes (a captured CUDA graph, or SGLang's
 CPU graph runner under torch.compile) with no host synchronisation.
 
-The state of a sequence is what ``nosa.decode.NosaDecodeState`` holds, kept here per layer:
+The state of a sequence is what ``nosa.decode.NosaDecodeState`` holds, kept here per layer (each
+buffer below is a list of L per-layer tensors, not one [L, ...] tensor: a compiled step writes into
+``buffer[layer]`` in place, while a write through a view of one stacked tensor is turned by
+torch.compile's functionalization into a copy of the whole stacked tensor every step, which grew
+with the server's capacity):
 
 - compressed keys and static block keys in *pages*, one page per block of the context:
-  ck [L, P, Hkv, B/s, D] float32 (the B/s windows that start in the block) and static
-  [L, P, Hkv, 2] float32 (the block's pooled eviction score and mean); ``table`` [N, NB + 1]
+  ck [P, Hkv, B/s, D] float32 (the B/s windows that start in the block) and static
+  [P, Hkv, 2] float32 (the block's pooled eviction score and mean); ``table`` [N, NB + 1]
   long gives the page of each block of each sequence slot (page 0 is a spare that no sequence
   owns: writes that must land somewhere, and padding rows, go there). Pages are taken from a
   free list as a context grows and given back when its sequence leaves, so memory follows the
   tokens served (like the KV pool), not sequences x the longest context;
-- the last selection [L, N, Hkv, K] (-1 padded);
-- the tails: the last c keys [L, N, c, Hkv, D] (in the KV pool's dtype) and the last
-  T = max(c, B) eviction scores [L, N, T, Hkv] float32 of each sequence, in rings (token p at
+- the last selection [N, Hkv, K] (-1 padded);
+- the tails: the last c keys [N, c, Hkv, D] (in the KV pool's dtype) and the last
+  T = max(c, B) eviction scores [N, T, Hkv] float32 of each sequence, in rings (token p at
   p % c, p % T): all that a step needs to complete a window and a block, so a step never reads
   the KV pool, wherever it lives (offloading keeps it in host memory).
 
@@ -65,13 +69,18 @@ class DecodeStatePool:
         self.tail_len = max(cfg.compress_kernel, cfg.block_size)
         # block -> page; column max_blocks is the spare column of writes that complete nothing
         self.table = torch.zeros(num_rows, self.max_blocks + 1, dtype=torch.long, device=device)
-        self.selection = torch.full((num_layers, num_rows, num_kv_heads, cfg.topk_blocks), -1, dtype=torch.long,
-                                    device=device)
+        layers = range(num_layers)
+        self.selection = [torch.full((num_rows, num_kv_heads, cfg.topk_blocks), -1, dtype=torch.long, device=device)
+                          for _ in layers]
         # without key tails the caller passes each step's window keys (read from a KV pool on the device)
-        self.tail_k = torch.zeros(num_layers, num_rows if key_tails else 1, cfg.compress_kernel, num_kv_heads,
-                                  head_dim, dtype=key_dtype, device=device)
+        self.tail_k = [torch.zeros(num_rows if key_tails else 1, cfg.compress_kernel, num_kv_heads, head_dim,
+                                   dtype=key_dtype, device=device) for _ in layers]
         self.key_tails = key_tails
-        self.tail_cis = torch.zeros(num_layers, num_rows, self.tail_len, num_kv_heads, device=device)
+        self.tail_cis = [torch.zeros(num_rows, self.tail_len, num_kv_heads, device=device) for _ in layers]
+        # index tensors of the writes in ``advance`` (all-tensor indices: a Python int or a slice in an
+        # index would make the write go through a view, which a compiled step would copy whole)
+        self._heads = torch.arange(num_kv_heads, device=device)
+        self._pooled, self._mean = (torch.tensor([i], device=device) for i in (0, 1))
         self._alloc_pages(num_pages)
         self._pages: dict[int, list[int]] = {}  # row -> its pages, in block order
         self._released: list[int] = []  # pages of rows that left, free at the next ``recycle``
@@ -79,17 +88,18 @@ class DecodeStatePool:
         self.frozen = False  # CUDA graphs captured over the buffers: they must not move
 
     def _alloc_pages(self, num_pages: int) -> None:
-        self.ck = torch.zeros(self.num_layers, num_pages, self.hkv, self.per_page, self.head_dim, device=self.device)
-        self.static = torch.full((self.num_layers, num_pages, self.hkv, 2), NEG_INF, device=self.device)
+        layers = range(self.num_layers)
+        self.ck = [torch.zeros(num_pages, self.hkv, self.per_page, self.head_dim, device=self.device) for _ in layers]
+        self.static = [torch.full((num_pages, self.hkv, 2), NEG_INF, device=self.device) for _ in layers]
         self._free = list(range(num_pages - 1, SPARE_PAGE, -1))  # popped from the end: low pages first
 
     @property
     def num_pages(self) -> int:
-        return self.ck.shape[1]
+        return self.ck[0].shape[0]
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.table, self.selection, self.tail_k, self.tail_cis, self.ck, self.static)
+        tensors = [self.table, *self.selection, *self.tail_k, *self.tail_cis, *self.ck, *self.static]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- host side (outside a captured step) ---------------------------------------------------
@@ -99,8 +109,8 @@ class DecodeStatePool:
             raise ValueError(f"DecodeStatePool.open: row {row} outside 1..{self.num_rows - 1}")
         pages = self._pages.get(row)
         if pages:
-            self.static[layer, torch.tensor(pages, device=self.device)] = NEG_INF
-        self.selection[layer, row] = -1
+            self.static[layer][torch.tensor(pages, device=self.device)] = NEG_INF
+        self.selection[layer][row] = -1
         return NosaDecodeState(self.cfg, self.hkv, self.head_dim, self.device, store=PoolRow(self, layer, row))
 
     def reserve(self, row: int, length: int) -> None:
@@ -117,7 +127,8 @@ class DecodeStatePool:
                 self._grow(need - len(pages))
             new = [self._free.pop() for _ in range(need - len(pages))]
             index = torch.tensor(new, device=self.device)
-            self.static[:, index] = NEG_INF
+            for static in self.static:
+                static[index] = NEG_INF
             self.table[row, len(pages) : need] = index
             pages.extend(new)
 
@@ -141,7 +152,7 @@ class DecodeStatePool:
         outnumber the tokens of the KV pool). The buffers move: a graph captured over the old ones
         is stale: a pool under CUDA graphs is ``frozen`` and raises instead."""
         old_ck, old_static = self.ck, self.static
-        size = old_ck.shape[1]
+        size = self.num_pages
         if self.frozen:
             raise RuntimeError(f"nosa decode state pool: its {size} pages are in use and CUDA graphs were captured "
                                "over them (growing would move them); run with --disable-cuda-graph, or with fewer "
@@ -151,8 +162,9 @@ class DecodeStatePool:
                        self.nbytes * (new_size / size) / 2**20)
         free = self._free
         self._alloc_pages(new_size)
-        self.ck[:, :size] = old_ck
-        self.static[:, :size] = old_static
+        for layer in range(self.num_layers):
+            self.ck[layer][:size] = old_ck[layer]
+            self.static[layer][:size] = old_static[layer]
         self._free = list(range(new_size - 1, size - 1, -1)) + free
 
     def refill_tails(self, layer: int, row: int, kv, seq: int, length: int) -> None:
@@ -163,10 +175,11 @@ class DecodeStatePool:
         if length <= lo:
             return
         pos = torch.arange(lo, length, device=self.device)
-        self.tail_cis[layer, row, pos % t] = kv.cis(seq, lo, length).float()
+        self.tail_cis[layer][row, pos % t] = kv.cis(seq, lo, length).float()
         if self.key_tails:
             lo_k = max(0, length - c)
-            self.tail_k[layer, row, pos[lo_k - lo :] % c] = kv.keys(seq, lo_k, length).to(self.tail_k.dtype)
+            tail_k = self.tail_k[layer]
+            tail_k[row, pos[lo_k - lo :] % c] = kv.keys(seq, lo_k, length).to(tail_k.dtype)
 
     # ---- one decode step, batched and shape-static -------------------------------------------
     def advance(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor, k_new: torch.Tensor,
@@ -197,18 +210,20 @@ class DecodeStatePool:
         window_cis = compress_windows(tail_cis[rows[:, None], ring % t].transpose(0, 1), cfg, 0, 1)[0]  # [R, Hkv]
         spare = self.max_blocks
         page = table[rows, torch.where(completes, j // self.per_page, spare)]
-        ck[page, :, j % self.per_page] = keys
+        heads = self._heads
+        ck[page[:, None], heads, (j % self.per_page)[:, None]] = keys
         # its pooled score onto the blocks it overlaps (max with what they had)
         span = (c - 1) // b + 2
         cols = (s * j // b)[:, None] + torch.arange(span, device=rows.device)
         cols = torch.where(completes[:, None] & (cols <= ((s * j + c - 1) // b)[:, None]), cols, spare)
-        pages = table[rows[:, None], cols]  # [R, span]
-        static[pages, :, 0] = torch.maximum(static[pages, :, 0], window_cis[:, None, :])
+        pages = table[rows[:, None], cols][..., None]  # [R, span, 1]
+        pooled = (pages, heads, self._pooled)
+        static[pooled] = torch.maximum(static[pooled], window_cis[:, None, :])
         # the block [length - B, length), as nosa.eviction.block_means computes it
         closes = lengths % b == 0
         tokens = tail_cis[rows[:, None], (lengths[:, None] - b + torch.arange(b, device=rows.device)) % t]
         page = table[rows, torch.where(closes, lengths // b - 1, spare)]
-        static[page, :, 1] = tokens.sum(dim=1) / torch.full((), float(b), device=rows.device)
+        static[page[:, None], heads, self._mean] = tokens.sum(dim=1) / torch.full((), float(b), device=rows.device)
 
     def record(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor, k_new: torch.Tensor,
                cis_new: torch.Tensor) -> None:
@@ -244,7 +259,7 @@ class DecodeStatePool:
         static = self.static[layer][pages[:, :blocks]].transpose(1, 2)  # [R, Hkv, NB, 2]
         static = torch.where(exists[:, None, :, None], static, NEG_INF)
         sel = select_blocks(query, static, lengths - 1, cfg, branch_free=True)
-        self.selection[layer, rows] = sel
+        self.selection[layer][rows] = sel
         return sel
 
 

@@ -176,7 +176,7 @@ class DecodeStep:
         self.pool.reserve(row, length)
         state.advanced(length)
         state.store.tails_at = length
-        state.selection = self.pool.selection[layer, row]
+        state.selection = self.pool.selection[layer][row]
 
     # ---- device side -----------------------------------------------------------------------------
     def run_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cis: torch.Tensor,

@@ -69,7 +69,7 @@ def test_batched_step_equals_the_state_step_by_step(name):
         windows, blocks = max(s.num_windows for s in ref), cfg.num_blocks(max(lengths))
         sel = pool.select(0, rows_t, lengths_t, q, 0.4, windows, blocks)
         assert torch.equal(sel, want), step
-        assert torch.equal(pool.selection[0, rows_t], want)
+        assert torch.equal(pool.selection[0][rows_t], want)
         for a, b, n in zip(ref, got, lengths):
             b.advanced(n)
             assert torch.equal(b.compressed_keys, a.compressed_keys), step
@@ -118,8 +118,10 @@ def test_padding_rows_change_nothing_but_the_spare_page():
             pool.advance(0, rows, lengths, new_k, new_cis)
             sels.append(pool.select(0, rows, lengths, q, 0.4, pool.max_windows, pool.max_blocks)[:1])
         used = [p for p in range(pool.num_pages) if p != SPARE_PAGE]
-        results.append((torch.stack(sels), pool.ck[:, used], pool.static[:, used], pool.tail_k[:, 1:],
-                        pool.tail_cis[:, 1:], pool.selection[:, 1:]))
+        stacked = [torch.stack(ts) for ts in (pool.ck, pool.static, pool.tail_k, pool.tail_cis, pool.selection)]
+        ck, static, tail_k, tail_cis, selection = stacked
+        results.append((torch.stack(sels), ck[:, used], static[:, used], tail_k[:, 1:], tail_cis[:, 1:],
+                        selection[:, 1:]))
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
@@ -144,6 +146,6 @@ def test_pages_follow_the_sequences():
     assert pool.num_pages > 6 and sorted(pool.table[3, :4].tolist())[:3] == [1, 2, 3]
     again = pool.open(3, 0)
     assert again.num_windows == 0 and again.static_keys.shape[1] == 0
-    assert bool((pool.static[0, pool.table[3, :4]] == float("-inf")).all())
+    assert bool((pool.static[0][pool.table[3, :4]] == float("-inf")).all())
     with pytest.raises(ValueError, match="longer than the pool"):
         pool.reserve(3, 257)

@@ -75,8 +75,8 @@ def _decode(backend, fb, seed):
 def _request_state(backend):
     pool = backend.states.pool
     pages = [p for p in range(pool.num_pages) if p != 0]
-    return [t.clone() for t in (pool.ck[:, pages], pool.static[:, pages], pool.selection[:, 1:],
-                                pool.tail_cis[:, 1:], pool.table[1:])]
+    return [torch.stack(pool.ck)[:, pages], torch.stack(pool.static)[:, pages], torch.stack(pool.selection)[:, 1:],
+            torch.stack(pool.tail_cis)[:, 1:], pool.table[1:].clone()]
 
 
 def test_fill_value_in_place_metadata_and_padding(ckpt):
