@@ -250,7 +250,8 @@ class DecodeStatePool:
         pages = self.table[rows[:, None], torch.arange(max(blocks, window_blocks), device=rows.device)]  # [R, nb]
         ck = self.ck[layer][pages[:, :window_blocks]]  # [R, wb, Hkv, per, D]
         ck = ck.permute(0, 2, 1, 3, 4).reshape(r, self.hkv, window_blocks * per, d)[:, :, :windows]
-        logits = torch.matmul(qg, ck.transpose(-1, -2)) * scale  # [R, Hkv, G, W]
+        # keys on the left: a compiled step then gathers the pages' keys row by row, not transposed
+        logits = torch.matmul(ck, qg.transpose(-1, -2)).transpose(-1, -2) * scale  # [R, Hkv, G, W]
         num_windows = torch.where(lengths >= cfg.compress_kernel,
                                   (lengths - cfg.compress_kernel) // cfg.compress_stride + 1, 0)
         visible = torch.arange(windows, device=rows.device)[None, :] < num_windows[:, None]

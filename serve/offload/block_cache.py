@@ -108,6 +108,8 @@ class DeviceBlockCache:
         # one more group than requests, the spare group: a captured step's padding rows resolve there
         self.spare_group = num_groups
         stored = num_groups + 1
+        # a token row of the spare group: writes that must land somewhere harmless go there
+        self.dump_row = self.spare_group * num_kv_heads * self.home * block_size
         items = stored * num_kv_heads * self.home
         # slot -> physical column; a group's own columns first, extra slots (j >= home) borrowed
         self.col_of = torch.full((stored, slots_per_head), -1, dtype=torch.long, device=device)
@@ -433,21 +435,19 @@ class DeviceBlockCache:
                           slots=torch.where(wanted >= 0, item, -1), fill=torch.where(wanted >= 0, fill, 0))
 
     def _write_tokens(self, layer, wanted, item, lengths, new_tokens) -> None:
-        from nosa import ops
-
+        """The new token of each request [R] into the resident slot of its block (the window always
+        holds it; where it is not resident, e.g. a padding row's, the write goes to the dump row):
+        plain index copies, which a compiled step fuses."""
         k_new, v_new, cis_new = new_tokens
         last = lengths - 1
         here = wanted == (last // self.block)[:, None, None]  # [R, Hkv, W]: the tail block
         slot_item = torch.where(here, item, -1).max(dim=-1).values  # [R, Hkv]
-        dst = (slot_item * self.block + (last % self.block)[:, None]).flatten()
-        src = torch.where(slot_item.flatten() >= 0, torch.arange(dst.numel(), device=dst.device), -1)
-        dst_k, dst_v, dst_c = (t.view(-1, t.shape[-1]) if t.dim() == 3 else t.view(-1, 1)
-                               for t in (self.k[layer], self.v[layer], self.cis[layer]))
-        # contiguous: with one KV head (per TP rank) the reshape is still a strided view of SGLang's qkv
-        ops.copy_items([dst_k, dst_v, dst_c],
-                       [k_new.reshape(dst.numel(), -1).to(dst_k.dtype).contiguous(),
-                        v_new.reshape(dst.numel(), -1).to(dst_v.dtype).contiguous(),
-                        cis_new.reshape(-1, 1).float()], dst, src)
+        rows = torch.where(slot_item >= 0, slot_item * self.block + (last % self.block)[:, None], self.dump_row)
+        rows = rows.flatten()
+        k, v = self.k[layer], self.v[layer]
+        k.view(-1, k.shape[-1]).index_copy_(0, rows, k_new.reshape(rows.numel(), -1).to(k.dtype))
+        v.view(-1, v.shape[-1]).index_copy_(0, rows, v_new.reshape(rows.numel(), -1).to(v.dtype))
+        self.cis[layer].view(-1).index_copy_(0, rows, cis_new.reshape(-1).float())
 
     def _count(self, layer, groups, wanted, hit, miss, prefetch_hit, warm, real) -> None:
         """Add the step's counters on the device (read on the host with ``stats``, outside a step)."""

@@ -25,7 +25,7 @@ import logging
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from nosa.serve.offload.kv import token_rows
+from nosa.serve.offload.kv import token_rows, write_token_rows
 from nosa.serve.offload.settings import OffloadSettings, check_host_memory
 
 logger = logging.getLogger(__name__)
@@ -66,31 +66,19 @@ class HostKVPool(MHATokenToKVPool):
     def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, k_scale=None, v_scale=None,
                       layer_id_override=None, dcp_kv_mask=None):
         """K/V of new tokens [T, Hkv, D] into their host slots (one scatter per tensor)."""
-        from nosa import ops
-
         if k_scale is not None or v_scale is not None or dcp_kv_mask is not None:
             raise NotImplementedError("nosa offloading: scaled or masked KV writes are not supported")
         loc, _, _ = unwrap_write_loc(loc_info)
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
         k_items, v_items, _ = self.items(layer_id)
-        rows = self.token_rows(loc).flatten()
-        src = torch.arange(rows.numel(), device=rows.device)
-        # contiguous: with one KV head (per TP rank) the reshape is still a strided view of SGLang's qkv
-        ops.copy_items(
-            [k_items.view(-1, self.head_dim), v_items.view(-1, self.v_head_dim)],
-            [cache_k.to(self.dtype).reshape(-1, self.head_dim).contiguous(),
-             cache_v.to(self.dtype).reshape(-1, self.v_head_dim).contiguous()],
-            rows.to(k_items.device), src.to(cache_k.device),
-        )
+        write_token_rows([k_items.view(-1, self.head_dim), v_items.view(-1, self.v_head_dim)],
+                         [cache_k.to(self.dtype).reshape(-1, self.head_dim),
+                          cache_v.to(self.dtype).reshape(-1, self.v_head_dim)], self.token_rows(loc).flatten())
 
     def set_cis(self, layer_id: int, loc: torch.Tensor, cis: torch.Tensor) -> None:
         """Eviction scores of new tokens [T, Hkv] into their host slots."""
-        from nosa import ops
-
         _, _, cis_items = self.items(layer_id)
-        rows = self.token_rows(loc).flatten()
-        ops.copy_items([cis_items.view(-1, 1)], [cis.float().reshape(-1, 1)], rows.to(cis_items.device),
-                       torch.arange(rows.numel(), device=cis.device))
+        write_token_rows([cis_items.view(-1, 1)], [cis.float().reshape(-1, 1)], self.token_rows(loc).flatten())
 
     def get_cpu_copy(self, *args, **kwargs):
         raise NotImplementedError("nosa offloading: the KV already lives in host memory (no CPU copy path)")

@@ -76,6 +76,20 @@ def token_rows(loc: torch.Tensor, page_size: int, head_num: int) -> torch.Tensor
     return (page[:, None] * head_num + heads) * page_size + off[:, None]
 
 
+def write_token_rows(dst: list[torch.Tensor], src: list[torch.Tensor], rows: torch.Tensor) -> None:
+    """Rows of new tokens src[i] [N, W] into rows ``rows`` [N] of the host pool's token views dst[i]
+    [P*Hkv*B, W]. On one device (a CPU server) a plain index_copy_ per tensor, which a compiled step
+    fuses into its own code; from a GPU into pinned host memory, one nosa.ops.copy_items launch."""
+    if all(d.device == s.device for d, s in zip(dst, src)):
+        rows = rows.to(dst[0].device)
+        for d, s in zip(dst, src):
+            d.index_copy_(0, rows, s)
+        return
+    # contiguous: with one KV head (per TP rank) the reshape is still a strided view of SGLang's qkv
+    ops.copy_items(dst, [s.contiguous() for s in src], rows.to(dst[0].device),
+                   torch.arange(rows.numel(), device=src[0].device))
+
+
 def host_pages(req_to_token: torch.Tensor, table_rows: torch.Tensor, blocks: torch.Tensor, block: int) -> torch.Tensor:
     """Host page of each block [R, Hkv, W] of the requests at ``req_to_token`` rows ``table_rows`` [R]
     (the page of the block's first token; -1 blocks -> -1)."""

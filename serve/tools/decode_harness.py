@@ -23,10 +23,10 @@ from types import SimpleNamespace
 
 import torch
 
-from nosa import ops
 from nosa.config import NosaConfig
 from nosa.eviction import EvictionHead
 from nosa.serve.decode_step import DecodeStep, PoolKV
+from nosa.serve.offload.kv import token_rows, write_token_rows
 from nosa.serve.states import RequestStates
 from nosa.serve.step import ForwardStep
 from nosa.state_pool import DecodeStatePool, pages_for
@@ -57,8 +57,6 @@ class _HostPool:
         return tuple(t[layer].flatten(0, 1) for t in (self.k_buffer, self.v_buffer, self.cis_buffer))
 
     def token_rows(self, loc: torch.Tensor) -> torch.Tensor:
-        from nosa.serve.offload.kv import token_rows
-
         return token_rows(loc, self.page_size, self.head_num)
 
 
@@ -179,8 +177,7 @@ class DecodeHarness:
             self.cis[layer][loc] = cis.float()
             return
         k_items, v_items, cis_items = self.pool.items(layer)
-        rows = self.pool.token_rows(loc).flatten()
-        src = torch.arange(rows.numel(), device=rows.device)
         d = self.d
-        ops.copy_items([k_items.view(-1, d), v_items.view(-1, d), cis_items.view(-1, 1)],
-                       [k.reshape(-1, d), v.reshape(-1, d), cis.float().reshape(-1, 1)], rows, src)
+        write_token_rows([k_items.view(-1, d), v_items.view(-1, d), cis_items.view(-1, 1)],
+                         [k.reshape(-1, d), v.reshape(-1, d), cis.float().reshape(-1, 1)],
+                         self.pool.token_rows(loc).flatten())
