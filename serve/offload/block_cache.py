@@ -453,13 +453,12 @@ class DeviceBlockCache:
         """Add the step's counters on the device (read on the host with ``stats``, outside a step)."""
         counted = warm.new_ones(warm.shape) if real is None else real
         warm = warm & counted
-        w = counted[:, None, None]
-        misses = (miss & w).sum(dim=-1)  # [R, Hkv]
-        selected = (wanted >= 0) & w
-        warm_w = warm[:, None, None]
-        add = torch.stack([torch.ones_like(misses[0, 0]), selected.sum(), (hit & w).sum(), misses.sum(),
-                           (selected & warm_w).sum(), (hit & w & warm_w).sum(), (prefetch_hit & w).sum()])
-        self.counts[layer] += add
+        # one stacked count for the four kinds (selected, hits, misses, prefetch hits): fewer ops per layer
+        per_head = (torch.stack([wanted >= 0, hit, miss, prefetch_hit]) & counted[:, None, None]).sum(dim=-1)
+        totals = per_head.sum(dim=(1, 2))  # [4]
+        warm_totals = (per_head[:2] * warm[:, None]).sum(dim=(1, 2))  # selected and hits of warm rows
+        self.counts[layer] += torch.cat([totals.new_ones(1), totals[:3], warm_totals, totals[3:]])
+        misses = per_head[2]  # [R, Hkv]
         warm_misses = torch.where(warm[:, None], misses, 0).amax() if misses.numel() else misses.new_zeros(())
         self.max_warm_misses[layer] = torch.maximum(self.max_warm_misses[layer], warm_misses)
         self.group_misses.index_add_(0, groups, misses.sum(dim=-1))
