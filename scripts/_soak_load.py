@@ -40,8 +40,14 @@ class Load:
         n = int(round(50 * (self.mode["max_prompt"] / 50) ** rng.random()))  # log-uniform 50..max
         return [rng.randrange(256) for _ in range(n)]
 
-    def _one(self, rng: random.Random, worker: int, n: int) -> None:
-        action = rng.choices(list(self.ACTIONS), weights=list(self.ACTIONS.values()))[0]
+    def _action(self, rng: random.Random, issued: int) -> str:
+        """Each kind once, in order, then kinds drawn by weight: a short run still sends every kind."""
+        kinds = list(self.ACTIONS)
+        if issued < len(kinds):
+            return kinds[issued]
+        return rng.choices(kinds, weights=list(self.ACTIONS.values()))[0]
+
+    def _one(self, rng: random.Random, worker: int, n: int, action: str) -> None:
         new = rng.randint(1, 48)
         c = self.client
         t0 = time.perf_counter()
@@ -100,8 +106,9 @@ class Load:
                 with self.lock:
                     if self.issued >= self.mode["max_requests"]:
                         return
+                    action = self._action(rng, self.issued)
                     self.issued += 1
-                self._one(rng, i, n)
+                self._one(rng, i, n, action)
                 n += 1
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(self.mode["clients"])]

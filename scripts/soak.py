@@ -48,8 +48,8 @@ from _soak_load import Load  # noqa: E402
 
 DEFAULT_ARGS = ["--attention-backend", "nosa", "--dtype", "float32", "--skip-server-warmup", "--sleep-on-idle",
                 "--mem-fraction-static", "0.3", "--max-total-tokens", "65536", "--chunked-prefill-size", "1024"]
-MODES = {  # quick: CI (about 2 minutes with start-up); full: the benchmark (about 8 minutes)
-    "quick": dict(clients=4, duration=45.0, max_requests=400, max_prompt=1000, context=4096),
+MODES = {  # quick: CI (about 1 minute with start-up); full: the benchmark (about 8 minutes)
+    "quick": dict(clients=4, duration=15.0, max_requests=400, max_prompt=1000, context=4096),
     "full": dict(clients=6, duration=390.0, max_requests=5000, max_prompt=6000, context=8192),
 }
 
@@ -81,7 +81,7 @@ def parse_env(items: list[str]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="the CI mode: about 2 minutes")
+    ap.add_argument("--quick", action="store_true", help="the CI mode: about 1 minute")
     ap.add_argument("--model-path", help="serve this checkpoint (default: a tiny NOSA checkpoint built here)")
     ap.add_argument("--server-args", default="", help="extra sglang.launch_server flags (override the defaults)")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VAL", help="server environment (repeatable)")

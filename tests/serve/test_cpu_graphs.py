@@ -28,7 +28,7 @@ if _MISSING:
     pytest.skip(_MISSING, allow_module_level=True)
 
 import nosa  # noqa: E402
-from nosa.serve.tools.process import ServerProcess  # noqa: E402
+from nosa.serve.tools.process import ServerProcess, stop_all  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = nosa.NosaConfig.tiny(dense_len=64)  # budget 8 blocks x 16 tokens = 128 tokens
@@ -42,10 +42,12 @@ NEW = 12
 
 def _server_env(extra: dict) -> dict:
     """The server's environment: the stand-in of this checkout first on the path (its operator
-    declarations let the CPU graph runner start), recompilations logged."""
+    declarations let the CPU graph runner start), recompilations logged, inductor compiling in the
+    scheduler itself (its pool of compile workers is one more process importing torch, and buys
+    nothing while the two servers already keep both cores busy)."""
     import sgl_kernel
 
-    env = {"TORCH_LOGS": "recompiles", "OMP_NUM_THREADS": "1", **extra}
+    env = {"TORCH_LOGS": "recompiles", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", **extra}
     if getattr(sgl_kernel, "IS_NOSA_STANDIN", False):
         standin = os.path.join(ROOT, "serve", "tools", "sgl_kernel_standin")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (standin, os.environ.get("PYTHONPATH")) if p)
@@ -72,8 +74,7 @@ def servers(ckpt, tmp_path_factory):
             proc.wait_ready(timeout=1200)  # compiling the decode graphs takes minutes on 2 cores
         yield {**procs, "stats": stats}
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 @pytest.fixture(scope="module")

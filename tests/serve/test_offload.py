@@ -3,7 +3,8 @@ checkpoint with non-zero eviction heads on every KV head.
 
 - ``on``: host pool of 3000 tokens, device KV budget 256 tokens (two requests of 8 blocks x 16),
   page size = block size, chunked prefill of 128, radix cache on;
-- ``off``: the same checkpoint with offloading off (the KV in SGLang's pool);
+- ``off``: the session's ``nosa_server`` (tests/serve/conftest.py): the same checkpoint, the same
+  chunked prefill and context length, offloading off (the KV in SGLang's pool);
 - ``sched``: ``on`` plus the recall scheduler (chunks of 4 items, so prefetches get preempted),
   admission (each request owns 8 slots, borrows up to 2 more) and W&B offline logging.
 Counters come from the file the backend writes when $NOSA_SERVE_STATS_FILE is set.
@@ -26,7 +27,7 @@ if _MISSING:
     pytest.skip(_MISSING, allow_module_level=True)
 
 import nosa  # noqa: E402
-from nosa.serve.tools.process import ServerProcess  # noqa: E402
+from nosa.serve.tools.process import ServerProcess, stop_all  # noqa: E402
 
 CFG = nosa.NosaConfig.tiny(dense_len=64)  # budget 8 blocks x 16 tokens = 128 tokens per request
 HOST, DEVICE = 3000, 256
@@ -40,34 +41,25 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny.make_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "nosa"), CFG, seed=0, evict_scale=1.0)
-
-
-@pytest.fixture(scope="module")
-def servers(ckpt, tmp_path_factory):
+def servers(tiny_nosa_checkpoint, tmp_path_factory, nosa_server):
+    ckpt = tiny_nosa_checkpoint
     logs = tmp_path_factory.mktemp("logs")
     stats = str(logs / "stats.json")
-    procs = {
+    own = {
         "on": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "on.log"),
                             env={**OFFLOAD_ENV, "NOSA_SERVE_STATS_FILE": stats}),
-        "off": ServerProcess(ckpt, [*COMMON, "--max-total-tokens", str(HOST)], str(logs / "off.log")),
         "bad": ServerProcess(ckpt, [*COMMON, "--page-size", "1"], str(logs / "bad.log"), env=OFFLOAD_ENV),
         "sched": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "sched.log"),
                                env={**OFFLOAD_ENV, **SCHED_ENV, "NOSA_SERVE_STATS_FILE": str(logs / "sched.json"),
                                     "NOSA_SERVE_WANDB_DIR": str(logs / "wandb")}),
     }
+    procs = {**own, "off": nosa_server}
     try:
         for name in ("on", "off", "sched"):
             procs[name].wait_ready(timeout=600)  # four servers start at once on a shared 2-core machine
-        procs["stats"] = stats
-        procs["sched_stats"] = str(logs / "sched.json")
-        procs["sched_wandb"] = str(logs / "wandb")
-        yield procs
+        yield {**procs, "stats": stats, "sched_stats": str(logs / "sched.json"), "sched_wandb": str(logs / "wandb")}
     finally:
-        for proc in procs.values():
-            if isinstance(proc, ServerProcess):
-                proc.stop()
+        stop_all(own.values())
 
 
 def _stats(servers, settle: float = 15.0, key: str = "stats") -> dict:
@@ -100,12 +92,12 @@ def test_concurrent_mixed_lengths_equal_offload_off(servers):
     _mixed_at_once_equal_offload_off(servers, "on", seed=100)
 
 
-def test_context_many_times_the_device_budget_equals_hf(servers, ckpt):
+def test_context_many_times_the_device_budget_equals_hf(servers, tiny_nosa_checkpoint):
     """A 2100-token prompt is 8.2x the device KV budget (256 tokens): it is admitted, streamed
     through the host pool chunk by chunk, and decodes the HF model's tokens."""
     prompt = tiny.prompt_ids(2100, 77)
     assert len(prompt) >= 8 * DEVICE
-    model = nosa.from_pretrained(ckpt)
+    model = nosa.from_pretrained(tiny_nosa_checkpoint)
     assert servers["on"].generate(prompt, 10) == tiny.hf_greedy(model, prompt, 10)
 
 

@@ -29,7 +29,7 @@ if _MISSING:
     pytest.skip(_MISSING, allow_module_level=True)
 
 import nosa  # noqa: E402
-from nosa.serve.tools.process import ServerProcess, cpu_binding  # noqa: E402
+from nosa.serve.tools.process import ServerProcess, cpu_binding, stop_all  # noqa: E402
 
 CFG = nosa.NosaConfig.tiny(dense_len=64)  # budget 8 blocks x 16 tokens = 128 tokens per request
 COMMON = ["--skip-server-warmup", "--sleep-on-idle", "--dtype", "float32", "--mem-fraction-static", "0.3",
@@ -69,8 +69,7 @@ def servers(ckpts, tmp_path_factory):
             proc.wait_ready(timeout=600)  # eight scheduler processes start at once on a shared 2-core machine
         yield procs
     finally:
-        for proc in procs.values():
-            proc.stop()
+        stop_all(procs.values())
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
 """The "nosa" SGLang attention backend, end to end on CPU: real servers on 127.0.0.1, tiny models.
 
-Servers started in parallel and shared by the module (--sleep-on-idle: an idle SGLang scheduler
-otherwise keeps a core busy):
-- ``nosa``: NOSA checkpoint (random non-zero eviction heads, tiny NosaConfig with dense_len 64),
-  chunked prefill of 128 tokens, radix cache on, context length 1024;
-- ``native``: the same checkpoint with --attention-backend torch_native;
+Servers started in parallel (--sleep-on-idle: an idle SGLang scheduler otherwise keeps a core busy):
+- ``nosa``: the session's ``nosa_server`` (tests/serve/conftest.py): the NOSA checkpoint (random
+  non-zero eviction heads, tiny NosaConfig with dense_len 64), chunked prefill of 128 tokens, radix
+  cache on, context length 4096;
+- ``native``: the session's ``native_server``: the same checkpoint with --attention-backend torch_native;
 - ``legacy``: the NOSA checkpoint in the legacy format (model_type llama with a 'nosa' section;
   ``nosa`` serves the NOSA format: model_type nosa_llama, architecture NosaLlamaForCausalLM);
 - ``dense``: a dense checkpoint, NosaConfig from $NOSA_CONFIG, page size 4;
@@ -34,10 +34,10 @@ if _MISSING:
 import torch  # noqa: E402
 
 import nosa  # noqa: E402
-from nosa.serve.tools.process import ServerProcess  # noqa: E402
+from nosa.serve.tools.process import ServerProcess, stop_all  # noqa: E402
 
 NOSA_CFG = nosa.NosaConfig.tiny(dense_len=64)  # budget 8 blocks x 16 tokens = 128 tokens
-CONTEXT_LEN = 1024
+CONTEXT_LEN = 1024  # of this module's own servers
 COMMON = ["--skip-server-warmup", "--sleep-on-idle", "--dtype", "float32", "--max-total-tokens", "8192",
           "--mem-fraction-static", "0.3", "--context-length", str(CONTEXT_LEN)]
 LONG = [(300, 11), (457, 12), (333, 13)]  # (prompt length, seed): 4-7x dense_len, >2x the budget
@@ -45,10 +45,10 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory, legacy_copy):
+def ckpts(tmp_path_factory, legacy_copy, tiny_nosa_checkpoint):
     root = tmp_path_factory.mktemp("ckpt")
     out = {
-        "nosa": tiny.make_checkpoint(str(root / "nosa"), NOSA_CFG, seed=0, evict_scale=1.0),
+        "nosa": tiny_nosa_checkpoint,
         "dense": tiny.make_checkpoint(str(root / "dense"), None, seed=1),
     }
     out["legacy"] = legacy_copy(out["nosa"], root / "legacy")
@@ -72,16 +72,11 @@ def _malformed_copy(ckpt: str, dest) -> str:
 
 
 @pytest.fixture(scope="module")
-def servers(ckpts, tmp_path_factory):
+def servers(ckpts, tmp_path_factory, nosa_server, native_server):
     logs = tmp_path_factory.mktemp("logs")
-    stats = str(logs / "nosa_stats.json")
     bad = _malformed_copy(ckpts["nosa"], logs / "bad_ckpt")
-    procs = {
+    own = {
         "malformed": ServerProcess(bad, ["--attention-backend", "nosa", *COMMON], str(logs / "bad.log")),
-        "nosa": ServerProcess(ckpts["nosa"], ["--attention-backend", "nosa", "--chunked-prefill-size", "128", *COMMON],
-                              str(logs / "nosa.log"), env={"NOSA_SERVE_STATS_FILE": stats}),
-        "native": ServerProcess(ckpts["nosa"], ["--attention-backend", "torch_native", *COMMON],
-                                str(logs / "native.log")),
         "legacy": ServerProcess(ckpts["legacy"], ["--attention-backend", "nosa", *COMMON], str(logs / "legacy.log")),
         "dense": ServerProcess(ckpts["dense"], ["--attention-backend", "nosa", "--page-size", "4", *COMMON],
                                str(logs / "dense.log"), env={"NOSA_CONFIG": NOSA_CFG.to_json()}),
@@ -89,15 +84,14 @@ def servers(ckpts, tmp_path_factory):
                                                      "--decode-attention-backend", "nosa", *COMMON],
                                      str(logs / "decode_only.log")),
     }
+    procs = {**own, "nosa": nosa_server, "native": native_server}
     try:
         for name, p in procs.items():
             if name != "malformed":
-                p.wait_ready()
-        procs["nosa"].stats_path = stats
+                p.wait_ready(timeout=600)  # several servers start at once on a shared 2-core machine
         yield procs
     finally:
-        for p in procs.values():
-            p.stop()
+        stop_all(own.values())
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +209,7 @@ def test_finished_and_aborted_requests_leave_no_state(servers):
 def test_prompt_longer_than_context_is_rejected_clearly(servers):
     server = servers["nosa"]
     status, body = server.post("/generate", {
-        "input_ids": tiny.prompt_ids(CONTEXT_LEN + 100, 60),
+        "input_ids": tiny.prompt_ids(server.context_length + 100, 60),
         "sampling_params": {"temperature": 0.0, "max_new_tokens": 4},
     })
     assert status == 400, (status, body)

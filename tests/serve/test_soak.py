@@ -1,4 +1,4 @@
-"""scripts/soak.py --quick in CI: about 2 minutes of mixed load and malformed requests on a real
+"""scripts/soak.py --quick in CI: about 1 minute of mixed load and malformed requests on a real
 server with the nosa backend; the script asserts and reports, this test reads its JSON."""
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def test_quick_soak(tmp_path):
     assert run.returncode == 0 and report["passed"], (report["failures"], report.get("server_log_tail"))
     # What the script checked, so a silently skipped phase fails here.
     assert report["requests_total"] >= 8 and report["requests"].get("generate", {}).get("200", 0) >= 1
+    assert set(report["requests"]) == {"generate", "stream", "disconnect", "abort", "prefix", "completions", "chat",
+                                       "malformed"}  # every kind of request was sent under load
     assert report["probes_identical"]
     assert report["burst"] == {**report["burst"], "requests": 100, "ok": 100}
     for listed in (report["malformed_first"], report["malformed_last"]):

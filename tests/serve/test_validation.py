@@ -1,9 +1,10 @@
 """Validation at SGLang's door (nosa.serve.validate, registered by the plugin): requests that used to
 kill the whole server get HTTP 400 and the next request is served with the same tokens.
 
-One server for the module, with SGLang's own torch_native backend: the hooks are on SGLang's
-request path, so they protect every backend (tests/serve/test_sglang_backend.py and scripts/soak.py
-run the nosa backend). The hook logic itself is also tested in-process, without a server.
+One server, the session's ``native_server`` (tests/serve/conftest.py: SGLang's own torch_native
+backend, radix cache off): the hooks are on SGLang's request path, so they protect every backend
+(tests/serve/test_sglang_backend.py and scripts/soak.py run the nosa backend). The hook logic itself
+is also tested in-process, without a server.
 """
 
 from __future__ import annotations
@@ -18,11 +19,6 @@ pytest.importorskip("sglang")
 from nosa.serve import validate  # noqa: E402
 from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
 
-_MISSING = tiny.cpu_engine_missing()
-CONTEXT_LEN = 512
-ARGS = ["--attention-backend", "torch_native", "--skip-server-warmup", "--sleep-on-idle", "--dtype", "float32",
-        "--max-total-tokens", "4096", "--mem-fraction-static", "0.3", "--context-length", str(CONTEXT_LEN),
-        "--disable-radix-cache"]
 PROBE = tiny.prompt_ids(40, 3)
 SP = {"max_new_tokens": 4}
 
@@ -85,43 +81,36 @@ CRASHERS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    if _MISSING:
-        pytest.skip(_MISSING)
-    from nosa.serve.tools.process import ServerProcess
+def server(native_server):
+    return native_server.wait_ready()
 
-    root = tmp_path_factory.mktemp("validation")
-    ckpt = tiny.make_checkpoint(str(root / "ckpt"), None, seed=2)
-    proc = ServerProcess(ckpt, ARGS, str(root / "server.log"))
-    try:
-        proc.wait_ready()
-        proc.ckpt = ckpt
-        proc.probe_tokens = proc.generate(PROBE, 8)
-        yield proc
-    finally:
-        proc.stop()
+
+@pytest.fixture(scope="module")
+def probe_tokens(server) -> list[int]:
+    """The PROBE prompt's tokens before any malformed request: every later answer must equal them."""
+    return server.generate(PROBE, 8)
 
 
 @pytest.mark.parametrize("name,path,body,says", CRASHERS, ids=[c[0] for c in CRASHERS])
-def test_crashing_request_gets_400_and_the_server_keeps_serving(server, name, path, body, says):
+def test_crashing_request_gets_400_and_the_server_keeps_serving(server, probe_tokens, name, path, body, says):
     status, answer = server.post(path, body)
     assert status == 400, (status, answer)
     assert says in json.dumps(answer), answer
-    assert server.generate(PROBE, 8) == server.probe_tokens
+    assert server.generate(PROBE, 8) == probe_tokens
 
 
-def test_empty_text_is_one_bos_token_and_is_served(server):
+def test_empty_text_is_one_bos_token_and_is_served(server, probe_tokens):
     """The issue's first crasher: with a BOS-adding tokenizer "" is a one-token prompt."""
     status, body = server.post("/generate", {"text": "", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
     assert status == 200, body
     assert body["meta_info"]["prompt_tokens"] == 1
-    assert server.generate(PROBE, 8) == server.probe_tokens
+    assert server.generate(PROBE, 8) == probe_tokens
 
 
 def _tokenizer(server):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(server.ckpt)
+    return AutoTokenizer.from_pretrained(server.model_path)
 
 
 def test_text_is_encoded_with_bos(server):
