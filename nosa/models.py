@@ -106,6 +106,16 @@ def is_complete(out: str) -> bool:
     return os.path.isfile(os.path.join(out, SOURCE_FILE)) and os.path.isfile(os.path.join(out, "config.json"))
 
 
+def source(path: str) -> dict | None:
+    """What the checkpoint at ``path`` was made from (the record ``fetch`` wrote last), None for a
+    checkpoint ``fetch`` did not write."""
+    file = os.path.join(path, SOURCE_FILE)
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f)
+
+
 def fetch(key: str, out: str, log=print) -> str:
     """Write registry model ``key`` (see MODELS) as an HF checkpoint at ``out`` and return ``out``;
     a finished checkpoint already there is returned as it is."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 
+from nosa import models
+
 
 def wilson(right: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson score interval (95% by default) of a share of right answers."""
@@ -53,7 +55,7 @@ def summarise(args, counts, variants, records, perplexity, seconds, budget_confi
         p["ratio_to_dense"] = math.exp(p["nll"] - dense_nll) if dense_nll is not None else None
     return {
         "model": args.model,
-        "model_source": _source(args.model),
+        "model_source": models.source(args.model),
         "prefill": args.prefill,
         "lengths": list(counts),
         "examples_per_task": {str(k): v for k, v in counts.items()},
@@ -71,16 +73,6 @@ def summarise(args, counts, variants, records, perplexity, seconds, budget_confi
         "env": env,
         "seconds": round(seconds_total, 1),
     }
-
-
-def _source(model: str) -> dict | None:
-    import json
-
-    path = os.path.join(model, "nosa_source.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def _pct(s: dict) -> str:
