@@ -9,8 +9,10 @@ torch.compile's functionalization into a copy of the whole stacked tensor every 
 with the server's capacity):
 
 - compressed keys and static block keys in *pages*, one page per block of the context:
-  ck [P, Hkv, B/s, D] float32 (the B/s windows that start in the block) and static
-  [P, Hkv, 2] float32 (the block's pooled eviction score and mean); ``table`` [N, NB + 1]
+  ck [Hkv, P, B/s, D] float32 (the B/s windows that start in the block; head-major, so that a
+  step's gather of every page of its rows is one index_select whose result the scoring matmul reads
+  as it is: [Hkv, R, W, D]) and static [P, Hkv, 2] float32 (the block's pooled eviction score and
+  mean); ``table`` [N, NB + 1]
   long gives the page of each block of each sequence slot (page 0 is a spare that no sequence
   owns: writes that must land somewhere, and padding rows, go there). Pages are taken from a
   free list as a context grows and given back when its sequence leaves, so memory follows the
@@ -89,13 +91,13 @@ class DecodeStatePool:
 
     def _alloc_pages(self, num_pages: int) -> None:
         layers = range(self.num_layers)
-        self.ck = [torch.zeros(num_pages, self.hkv, self.per_page, self.head_dim, device=self.device) for _ in layers]
+        self.ck = [torch.zeros(self.hkv, num_pages, self.per_page, self.head_dim, device=self.device) for _ in layers]
         self.static = [torch.full((num_pages, self.hkv, 2), NEG_INF, device=self.device) for _ in layers]
         self._free = list(range(num_pages - 1, SPARE_PAGE, -1))  # popped from the end: low pages first
 
     @property
     def num_pages(self) -> int:
-        return self.ck[0].shape[0]
+        return self.static[0].shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -163,7 +165,7 @@ class DecodeStatePool:
         free = self._free
         self._alloc_pages(new_size)
         for layer in range(self.num_layers):
-            self.ck[layer][:size] = old_ck[layer]
+            self.ck[layer][:, :size] = old_ck[layer]
             self.static[layer][:size] = old_static[layer]
         self._free = list(range(new_size - 1, size - 1, -1)) + free
 
@@ -211,7 +213,7 @@ class DecodeStatePool:
         spare = self.max_blocks
         page = table[rows, torch.where(completes, j // self.per_page, spare)]
         heads = self._heads
-        ck[page[:, None], heads, (j % self.per_page)[:, None]] = keys
+        ck[heads, page[:, None], (j % self.per_page)[:, None]] = keys
         # its pooled score onto the blocks it overlaps (max with what they had)
         span = (c - 1) // b + 2
         cols = (s * j // b)[:, None] + torch.arange(span, device=rows.device)
@@ -248,16 +250,19 @@ class DecodeStatePool:
         per = self.per_page
         window_blocks = -(-windows // per)
         pages = self.table[rows[:, None], torch.arange(max(blocks, window_blocks), device=rows.device)]  # [R, nb]
-        ck = self.ck[layer][pages[:, :window_blocks]]  # [R, wb, Hkv, per, D]
-        ck = ck.permute(0, 2, 1, 3, 4).reshape(r, self.hkv, window_blocks * per, d)[:, :, :windows]
-        # keys on the left: a compiled step then gathers the pages' keys row by row, not transposed
-        logits = torch.matmul(ck, qg.transpose(-1, -2)).transpose(-1, -2) * scale  # [R, Hkv, G, W]
+        # the rows' pages in one index_select of contiguous page rows (an advanced index of the 4-d
+        # buffer, and the permute it needed, cost about 15x more at 64K), already head-major
+        ck = self.ck[layer]
+        items = (self._heads[:, None] * ck.shape[1] + pages[:, :window_blocks].flatten()).flatten()  # head-major
+        ck = ck.view(-1, per * d).index_select(0, items).view(self.hkv, r, window_blocks * per, d)[:, :, :windows]
+        logits = torch.matmul(qg.transpose(0, 1), ck.transpose(-1, -2)).transpose(0, 1) * scale  # [R, Hkv, G, W]
         num_windows = torch.where(lengths >= cfg.compress_kernel,
                                   (lengths - cfg.compress_kernel) // cfg.compress_stride + 1, 0)
         visible = torch.arange(windows, device=rows.device)[None, :] < num_windows[:, None]
         query = block_scores_from_logits(logits, visible, blocks, cfg)  # [R, Hkv, NB]
         exists = torch.arange(blocks, device=rows.device)[None, :] < (lengths[:, None] - 1) // cfg.block_size + 1
-        static = self.static[layer][pages[:, :blocks]].transpose(1, 2)  # [R, Hkv, NB, 2]
+        static = self.static[layer].view(-1, self.hkv * 2).index_select(0, pages[:, :blocks].flatten())
+        static = static.view(r, blocks, self.hkv, 2).transpose(1, 2)  # [R, Hkv, NB, 2]
         static = torch.where(exists[:, None, :, None], static, NEG_INF)
         sel = select_blocks(query, static, lengths - 1, cfg, branch_free=True)
         self.selection[layer][rows] = sel
@@ -286,8 +291,8 @@ class PoolRow:
     def keys(self) -> torch.Tensor:
         per = self.pool.per_page
         pages = self._pages(-(-self.num_windows // per))
-        ck = self.pool.ck[self.layer][pages]  # [nb, Hkv, per, D]
-        return ck.transpose(0, 1).reshape(self.pool.hkv, -1, self.pool.head_dim)[:, : self.num_windows]
+        ck = self.pool.ck[self.layer][:, pages]  # [Hkv, nb, per, D]
+        return ck.reshape(self.pool.hkv, -1, self.pool.head_dim)[:, : self.num_windows]
 
     def static(self) -> torch.Tensor:
         return self.pool.static[self.layer][self._pages(self.num_blocks)].transpose(0, 1)
@@ -295,7 +300,7 @@ class PoolRow:
     def add_windows(self, keys: torch.Tensor) -> None:
         per = self.pool.per_page
         j = torch.arange(self.num_windows, self.num_windows + keys.shape[1], device=keys.device)
-        self.pool.ck[self.layer][self.pool.table[self.row, j // per], :, j % per] = keys.transpose(0, 1)
+        self.pool.ck[self.layer][:, self.pool.table[self.row, j // per], j % per] = keys
         self.num_windows += keys.shape[1]
 
     def grow_blocks(self, num_blocks: int) -> None:

@@ -120,7 +120,7 @@ def test_padding_rows_change_nothing_but_the_spare_page():
         used = [p for p in range(pool.num_pages) if p != SPARE_PAGE]
         stacked = [torch.stack(ts) for ts in (pool.ck, pool.static, pool.tail_k, pool.tail_cis, pool.selection)]
         ck, static, tail_k, tail_cis, selection = stacked
-        results.append((torch.stack(sels), ck[:, used], static[:, used], tail_k[:, 1:], tail_cis[:, 1:],
+        results.append((torch.stack(sels), ck[:, :, used], static[:, used], tail_k[:, 1:], tail_cis[:, 1:],
                         selection[:, 1:]))
     for a, b in zip(*results):
         assert torch.equal(a, b)

@@ -119,7 +119,8 @@ def test_compiled_step_equals_eager_without_recompiling(offload):
 
 def _pool_state(h: DecodeHarness):
     pool = h.states.pool
-    return [torch.stack(ts)[:, 1:] for ts in (pool.ck, pool.static, pool.selection, pool.tail_cis)]
+    return [torch.stack(pool.ck)[:, :, 1:]] + [torch.stack(ts)[:, 1:] for ts in (pool.static, pool.selection,
+                                                                                pool.tail_cis)]
 
 
 @pytest.mark.parametrize("offload", [False, True])

@@ -75,7 +75,7 @@ def _decode(backend, fb, seed):
 def _request_state(backend):
     pool = backend.states.pool
     pages = [p for p in range(pool.num_pages) if p != 0]
-    return [torch.stack(pool.ck)[:, pages], torch.stack(pool.static)[:, pages], torch.stack(pool.selection)[:, 1:],
+    return [torch.stack(pool.ck)[:, :, pages], torch.stack(pool.static)[:, pages], torch.stack(pool.selection)[:, 1:],
             torch.stack(pool.tail_cis)[:, 1:], pool.table[1:].clone()]
 
 
