@@ -90,11 +90,21 @@ def stream_generate(url: str, prompt: list[int], new_tokens: int, start: float, 
             out.append((time.perf_counter() - start, int(chunk["meta_info"]["completion_tokens"])))
 
 
+def _proc_stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()  # the fields after the command name, which may hold spaces
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far (all its threads)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+    fields = _proc_stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def minor_faults(pid: int) -> int:
+    """Minor page faults of process ``pid`` so far: memory the allocator gave back to the kernel and
+    touched again (each costs a kernel entry and a zeroed page)."""
+    return int(_proc_stat(pid)[7])
 
 
 def random_prompts(context: int, batch: int, vocab: int = 256) -> list[list[int]]:
@@ -130,7 +140,8 @@ def measure(server, prompts: list[list[int]], new_tokens: int, warm_up: bool = F
     requests and steps is the step time (robust to a noisy machine), the mean is reported too; with
     ``cpu_pid`` also the scheduler's CPU milliseconds per decode step (``cpu_ms_per_decode_step``:
     its CPU time from the last first token to the last token over ``new_tokens - 1`` steps; what the
-    step costs the CPU, whatever else the machine runs).
+    step costs the CPU, whatever else the machine runs) and its minor page faults per decode step
+    (``minor_faults_per_decode_step``: memory given back to the kernel and touched again).
     Nothing here depends on the prefix cache or on work done before the first token."""
     import statistics
 
@@ -146,10 +157,12 @@ def measure(server, prompts: list[list[int]], new_tokens: int, warm_up: bool = F
     while not all(streams) and any(t.is_alive() for t in threads):  # until every first token
         time.sleep(0.02)
     decode_cpu_start = cpu_seconds(cpu_pid) if cpu_pid else 0.0
+    faults_start = minor_faults(cpu_pid) if cpu_pid else 0
     prefill_cpu = decode_cpu_start - cpu_start if cpu_pid else None
     for t in threads:
         t.join()
     decode_cpu = cpu_seconds(cpu_pid) - decode_cpu_start if cpu_pid else None
+    decode_faults = minor_faults(cpu_pid) - faults_start if cpu_pid else None
     if any(not s or s[-1][1] != new_tokens for s in streams):
         raise RuntimeError(f"a request did not stream {new_tokens} tokens: {[s[-1:] for s in streams]}")
     all_decoding = max(s[0][0] for s in streams)  # every request has its first token
@@ -167,7 +180,8 @@ def measure(server, prompts: list[list[int]], new_tokens: int, warm_up: bool = F
             "decode_intervals": len(per_token), "prefill_s": round(all_decoding, 2),
             **({"prefill_cpu_s": round(prefill_cpu, 2),
                 # every request decodes new_tokens - 1 steps after its first token, the batch together
-                "cpu_ms_per_decode_step": round(1000 * decode_cpu / max(1, new_tokens - 1), 2)} if cpu_pid else {})}
+                "cpu_ms_per_decode_step": round(1000 * decode_cpu / max(1, new_tokens - 1), 2),
+                "minor_faults_per_decode_step": round(decode_faults / max(1, new_tokens - 1), 1)} if cpu_pid else {})}
 
 
 def scheduler_pid(server) -> int:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -266,7 +267,13 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.checkpoint):
         raise SystemExit(f"serve_ask: no checkpoint at {args.checkpoint}; train one first "
                          "(python -m nosa.train --config configs/train/tiny.yaml)")
-    work = tempfile.mkdtemp(prefix="serve_ask-")
+    work = tempfile.mkdtemp(prefix="serve_ask-")  # the server's log, stats file and checkpoint view
+    code = _serve_ask(args, work)
+    shutil.rmtree(work, ignore_errors=True)  # kept when anything failed: the log is there
+    return code
+
+
+def _serve_ask(args, work: str) -> int:
     plan = suite_plan(args, work) if args.suite else recall_plan(args)
     cfg, asked = plan.cfg, plan.questions
     per_request = cfg.topk_blocks * cfg.block_size

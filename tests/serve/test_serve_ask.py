@@ -36,8 +36,12 @@ def test_serve_ask_answers_and_reports_the_server_counters(smoke_checkpoint):
     out, plot = root / "summary.json", root / "dashboard.png"
     cmd = [sys.executable, "scripts/serve_ask.py", "--checkpoint", str(root / "run" / "nosa"), "--examples", "2",
            "--after", "3", "--concurrency", "4", "--out", str(out), "--plot", str(plot)]
-    done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+    scratch = root / "tmp"  # serve_ask's work directory (server log, stats file) goes here, and away after
+    scratch.mkdir()
+    done = subprocess.run(cmd, cwd=REPO, env={**ENV, "TMPDIR": str(scratch)}, capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not list(scratch.glob("serve_ask-*")), "serve_ask left its work directory behind"
     summary = json.loads(out.read_text())
     assert summary["questions"] == 8  # 2 examples x 4 questions, each answered and printed
     assert done.stdout.count(" ok") + done.stdout.count("WRONG") == 8
