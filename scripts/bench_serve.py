@@ -137,7 +137,9 @@ def measure(server, prompts: list[list[int]], new_tokens: int, warm_up: bool = F
     scheduler process, also its CPU seconds over that time, ``prefill_cpu_s``: less sensitive than
     wall time to other load on a shared machine). Decode: the intervals between streamed tokens
     once every request is decoding (the whole batch in each step), per token; the median over all
-    requests and steps is the step time (robust to a noisy machine), the mean is reported too; with
+    requests and steps is the step time (robust to a noisy machine), the mean is reported too, and
+    ``ms_per_decode_step_window``, the median over requests of each one's mean step over its window
+    (robust to a stream delivered in bursts, where the median interval reads near 0); with
     ``cpu_pid`` also the scheduler's CPU milliseconds per decode step (``cpu_ms_per_decode_step``:
     its CPU time from the last first token to the last token over ``new_tokens - 1`` steps; what the
     step costs the CPU, whatever else the machine runs) and its minor page faults per decode step
@@ -173,10 +175,19 @@ def measure(server, prompts: list[list[int]], new_tokens: int, warm_up: bool = F
     if len(per_token) < batch * 8:
         raise RuntimeError(f"too few decode steps with the whole batch running ({len(per_token)}); raise --new-tokens")
     step = statistics.median(per_token)
+    # each stream's mean step over its whole window (last token minus its first token after every
+    # request decodes): unlike the median interval, not fooled when a loaded machine delivers the
+    # stream in bursts (many near-zero intervals, then a long one)
+    windows = []
+    for s in streams:
+        inside = [(t, n) for t, n in s if t >= all_decoding]
+        if len(inside) > 1 and inside[-1][1] > inside[0][1]:
+            windows.append((inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1]))
     return {"prompt_tokens": max(len(p) for p in prompts), "batch": batch,
             "decode_tokens_per_s": round(batch / step, 2),
             "ms_per_decode_step": round(1000 * step, 2),
             "ms_per_decode_step_mean": round(1000 * statistics.fmean(per_token), 2),
+            "ms_per_decode_step_window": round(1000 * statistics.median(windows), 2) if windows else None,
             "decode_intervals": len(per_token), "prefill_s": round(all_decoding, 2),
             **({"prefill_cpu_s": round(prefill_cpu, 2),
                 # every request decodes new_tokens - 1 steps after its first token, the batch together
