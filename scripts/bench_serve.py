@@ -3,6 +3,8 @@
     .venv/bin/python scripts/bench_serve.py [--quick] [--contexts 4096 8192 32768 65536] [--out results/serve.json]
     .venv/bin/python scripts/bench_serve.py --backends torch_native nosa nosa+compile --contexts 4096 32768
     .venv/bin/python scripts/bench_serve.py --checkpoint runs/tiny/nosa --backends nosa nosa+offload --contexts 2048
+    .venv/bin/python scripts/bench_serve.py --checkpoint runs/tiny/nosa --backends nosa nosa+offload --contexts 2048 \
+        --repeat 3                                                 # 3 rounds of fresh servers: median ratios
     .venv/bin/python scripts/bench_serve.py --backends nosa --tp-sizes 1 2 --evict-scale 1 --contexts 32768
     .venv/bin/python scripts/bench_serve.py --checkpoint runs/smollm2/nosa --compare a0=runs/smollm2-a0/nosa \
         --prompts suite --share 4 --contexts 8192 --batch 1 --new-tokens 16 --threads 1 \
@@ -44,6 +46,7 @@ their share of its samples.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -298,6 +301,20 @@ def ratios(results: list[dict], contexts: list[int], tp_sizes: list[int]) -> dic
     return out
 
 
+def median_ratios(rounds: list[dict]) -> dict:
+    """Each ratio's median over the rounds' ``ratios`` (nested per context as they are)."""
+    import statistics
+
+    out = {}
+    for key, value in rounds[0].items():
+        if isinstance(value, dict):
+            out[key] = median_ratios([r.get(key, {}) for r in rounds])
+        else:
+            values = [r[key] for r in rounds if key in r]
+            out[key] = round(statistics.median(values), 3)
+    return out
+
+
 def profiled_measure(server, prompts: list[list[int]], new_tokens: int, spy_path: str | None) -> dict:
     """``measure`` with the scheduler's CPU seconds; with ``spy_path``, py-spy samples the scheduler
     meanwhile (raw stacks to that file) and the row gets ``extend_profile``."""
@@ -364,11 +381,17 @@ def main() -> None:
     ap.add_argument("--evict-scale", type=float, default=0.0,
                     help="> 0: the tiny Llama as a NOSA checkpoint with random eviction heads of this scale "
                          "(default: dense, A = 0)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds: every variant's server started and measured again in each round, in turn "
+                         "(fresh processes of the same code differ by up to 40%% on this machine); the JSON's "
+                         "ratios are then medians over the rounds, ratios_by_round each round's")
     ap.add_argument("--quick", action="store_true", help="contexts 4K and 8K, 32 new tokens")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "serve.json"))
     ap.add_argument("--py-spy", metavar="DIR", default=None,
                     help="sample the server's scheduler with py-spy while each context runs (see above)")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1, got {args.repeat}")
     # A plain kill must still stop the server (its process group) through the finally below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.quick:
@@ -404,24 +427,26 @@ def main() -> None:
              "--mem-fraction-static", "0.3", "--context-length", str(max_ctx),
              "--max-total-tokens", str(host_tokens), "--max-running-requests", str(args.batch)]
     results = []
-    for label, path in checkpoints:
+    for round_, (label, path) in itertools.product(range(args.repeat), checkpoints):
         for variant in args.backends:
             if label != "main" and "offload" not in variant:
                 continue
             for tp in args.tp_sizes:
-                stats = os.path.join(work, f"{label}_{variant}_tp{tp}.stats.json") if "offload" in variant else None
+                name = f"{label}_{variant}_tp{tp}" + (f"_r{round_}" if args.repeat > 1 else "")
+                stats = os.path.join(work, f"{name}.stats.json") if "offload" in variant else None
                 server_args, env = server_setup(variant, flags, cfg, args.batch, host_tokens, args.threads, tp, stats)
                 start = time.perf_counter()
-                server = ServerProcess(path, server_args, os.path.join(work, f"{label}_{variant}_tp{tp}.log"),
+                server = ServerProcess(path, server_args, os.path.join(work, f"{name}.log"),
                                        env=env).wait_ready(timeout=1800)  # compiled variants build a graph first
                 startup = round(time.perf_counter() - start, 1)
                 try:
                     measure(server, random_prompts(512, args.batch), 16, warm_up=True)  # a fresh server's first calls
                     before = served_counters(server, stats) if stats else None
                     for context in args.contexts:
-                        spy = (os.path.join(args.py_spy, f"{label}_{variant}_tp{tp}_{context}.txt")
+                        spy = (os.path.join(args.py_spy, f"{name}_{context}.txt")
                                if args.py_spy else None)
-                        row = {"checkpoint": label, "backend": variant, "tp_size": tp, "context": context,
+                        row = {"checkpoint": label, "round": round_, "backend": variant, "tp_size": tp,
+                               "context": context,
                                **profiled_measure(server, prompts[context], args.new_tokens, spy),
                                "server_start_s": startup}
                         if stats:
@@ -439,7 +464,12 @@ def main() -> None:
               "nosa_config": cfg.to_dict(), "evict_scale": None if args.checkpoint else args.evict_scale,
               "device": "cpu", "cpus": os.cpu_count(), "threads": args.threads, "command": " ".join(sys.argv),
               "variants": {v: VARIANTS[v] for v in args.backends},
-              "results": results, "ratios": ratios(main_rows, args.contexts, args.tp_sizes)}
+              "results": results}
+    by_round = [ratios([r for r in main_rows if r["round"] == k], args.contexts, args.tp_sizes)
+                for k in range(args.repeat)]
+    report["ratios"] = by_round[0] if args.repeat == 1 else median_ratios(by_round)
+    if args.repeat > 1:
+        report["ratios_by_round"] = by_round
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
