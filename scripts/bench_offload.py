@@ -136,7 +136,7 @@ def bench_capacity(args, work, ckpt) -> dict:
 
 # ---- decode step, offloading on vs off ---------------------------------------------------------
 def bench_decode(args, work, ckpt) -> dict:
-    from bench_serve import measure
+    from _serve_measure import measure
 
     contexts, server_args = decode_setup(args)
     rows = []
@@ -169,7 +169,7 @@ def bench_schedule(args, work, ckpt) -> dict:
     measurements minutes apart on a shared machine whose load drifts; the median ratio is the figure."""
     import statistics
 
-    from bench_serve import measure
+    from _serve_measure import measure
 
     contexts, server_args = decode_setup(args)
     repeats = 1 if args.quick else args.repeats
@@ -216,7 +216,7 @@ def bench_trace(args, work, ckpt) -> dict:
     import statistics
     import threading
 
-    from bench_serve import stream_generate
+    from _serve_measure import stream_generate
 
     from nosa.config import NosaConfig
 
