@@ -48,7 +48,7 @@ def minor_faults(pid: int) -> int:
 
 
 def measure(server, prompts: list[list[int]], new_tokens: int, warm_up: bool = False,
-            cpu_pid: int | None = None) -> dict | None:
+            cpu_pid: int | None = None, flush: bool = True) -> dict | None:
     """One batch of concurrent greedy requests, one per prompt, streamed.
 
     Prefill: until every request has its first token (``prefill_s``; with ``cpu_pid``, the server's
@@ -62,10 +62,13 @@ def measure(server, prompts: list[list[int]], new_tokens: int, warm_up: bool = F
     its CPU time from the last first token to the last token over ``new_tokens - 1`` steps; what the
     step costs the CPU, whatever else the machine runs) and its minor page faults per decode step
     (``minor_faults_per_decode_step``: fresh or given-back memory touched).
-    Nothing here depends on the prefix cache or on work done before the first token."""
+    Nothing here depends on the prefix cache or on work done before the first token: the cache is
+    flushed first (``flush=False`` keeps it: a prompt served before is then a cache hit, and
+    ``prefill_s`` the time to rebuild the request's state from the cached KV)."""
     import statistics
 
-    server.post("/flush_cache", {})
+    if flush:
+        server.post("/flush_cache", {})
     batch = len(prompts)
     cpu_start = cpu_seconds(cpu_pid) if cpu_pid else 0.0
     start = time.perf_counter()
@@ -149,12 +152,13 @@ def extend_profile(raw_path: str, top: int = 10) -> list[list]:
     return [[name, round(n / max(1, total), 3)] for name, n in ranked] + [["samples", total], ["all samples", busy]]
 
 
-def profiled_measure(server, prompts: list[list[int]], new_tokens: int, spy_path: str | None) -> dict:
+def profiled_measure(server, prompts: list[list[int]], new_tokens: int, spy_path: str | None,
+                     flush: bool = True) -> dict:
     """``measure`` with the scheduler's CPU seconds; with ``spy_path``, py-spy samples the scheduler
     meanwhile (raw stacks to that file) and the row gets ``extend_profile``."""
     pid = scheduler_pid(server)
     if spy_path is None:
-        return measure(server, prompts, new_tokens, cpu_pid=pid)
+        return measure(server, prompts, new_tokens, cpu_pid=pid, flush=flush)
     os.makedirs(os.path.dirname(spy_path), exist_ok=True)
     # py-spy as installed beside this Python (a venv's bin), else on PATH
     py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy") or "py-spy"
@@ -162,7 +166,7 @@ def profiled_measure(server, prompts: list[list[int]], new_tokens: int, spy_path
     spy = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", "50", "--nonblocking", "--format", "raw",
                             "-o", spy_path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        row = measure(server, prompts, new_tokens, cpu_pid=pid)
+        row = measure(server, prompts, new_tokens, cpu_pid=pid, flush=flush)
     finally:
         spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         spy.wait(timeout=120)

@@ -5,6 +5,8 @@
     .venv/bin/python scripts/bench_serve.py --checkpoint runs/tiny/nosa --backends nosa nosa+offload --contexts 2048
     .venv/bin/python scripts/bench_serve.py --checkpoint runs/tiny/nosa --backends nosa nosa+offload --contexts 2048 \
         --repeat 3                                                 # 3 rounds of fresh servers: median ratios
+    .venv/bin/python scripts/bench_serve.py --checkpoint runs/tiny/nosa --backends nosa nosa+offload --contexts 2048 \
+        --interleave --repeat 10                     # both servers up, paused in turn: 10 paired rounds
     .venv/bin/python scripts/bench_serve.py --backends nosa --tp-sizes 1 2 --evict-scale 1 --contexts 32768
     .venv/bin/python scripts/bench_serve.py --checkpoint runs/smollm2/nosa --compare a0=runs/smollm2-a0/nosa \
         --prompts suite --share 4 --contexts 8192 --batch 1 --new-tokens 16 --threads 1 \
@@ -29,6 +31,14 @@ hit rate and recalled bytes (``offload``). ``--compare LABEL=PATH`` adds checkpo
 the offloading variants only (fitted heads beside A = 0, say). The JSON's ``ratios`` compare the
 variants per context (the ``--checkpoint``'s rows), each variant's longest context with its
 shortest, and each TP size with the first. Not a test: nothing is asserted.
+
+This machine's speed drifts: the same decode step, timed in consecutive chunks of a few seconds
+inside one process, varies by 1.4-1.5x (CPU time, not waiting; scripts/bench_resolve.py's ``drift``
+part), so variants measured minutes apart compare the drift as much as the code. ``--interleave``
+starts every variant's server first, keeps all but the measured one paused (SIGSTOP; an idle server
+polls), and gives each variant one short turn per round and context, a different one first each
+round: the variants of a round ran seconds apart, and ``--repeat N`` rounds give N paired ratios
+whose medians the JSON reports.
 
 ``--evict-scale A`` (A > 0) converts the model to a NOSA checkpoint with random eviction heads of
 scale A, so that under tensor parallelism the ranks exchange the eviction heads' partial sums
@@ -147,7 +157,8 @@ def ratios(results: list[dict], contexts: list[int], tp_sizes: list[int]) -> dic
     first = [r for r in results if r["tp_size"] == tp_sizes[0]]
     pairs = {"torch_native_over_nosa": ("torch_native", "nosa"), "nosa_over_nosa_compile": ("nosa", "nosa+compile"),
              "offload_over_nosa": ("nosa+offload", "nosa"), "offload_sched_over_nosa": ("nosa+offload+sched", "nosa"),
-             "offload_over_offload_compile": ("nosa+offload", "nosa+offload+compile")}
+             "offload_over_offload_compile": ("nosa+offload", "nosa+offload+compile"),
+             "offload_compile_over_nosa_compile": ("nosa+offload+compile", "nosa+compile")}
     for context in contexts:
         by = {r["backend"]: r["ms_per_decode_step"] for r in first if r["context"] == context}
         out[str(context)] = {name: round(by[a] / by[b], 3) for name, (a, b) in pairs.items() if a in by and b in by}
@@ -180,12 +191,14 @@ def median_ratios(rounds: list[dict]) -> dict:
     return out
 
 
-def served_counters(server, stats_file: str) -> dict:
+def served_counters(server, stats_file: str, flush: bool = True) -> dict:
     """The offloading counters of ``stats_file`` once the server has released its requests (the
-    registry writes them then): scripts/serve_ask.py's ``counters``."""
+    registry writes them then): scripts/serve_ask.py's ``counters``. ``flush``: flush the prefix
+    cache first."""
     from serve_ask import counters
 
-    server.post("/flush_cache", {})
+    if flush:
+        server.post("/flush_cache", {})
     time.sleep(1.5)
     return counters(stats_file)
 
@@ -227,9 +240,19 @@ def main() -> None:
                     help="> 0: the tiny Llama as a NOSA checkpoint with random eviction heads of this scale "
                          "(default: dense, A = 0)")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="rounds: every variant's server started and measured again in each round, in turn "
-                         "(fresh processes of the same code differ by up to 40%% on this machine); the JSON's "
-                         "ratios are then medians over the rounds, ratios_by_round each round's")
+                    help="rounds: every variant measured again in each round (a fresh server each round, or with "
+                         "--interleave the same servers in turns); the JSON's ratios are then medians over the "
+                         "rounds, ratios_by_round each round's")
+    ap.add_argument("--interleave", action="store_true",
+                    help="start every variant's server first and keep all but the measured one paused (SIGSTOP); "
+                         "each round measures every variant at one context after the other, so the variants "
+                         "compared in a round ran seconds apart: this machine's speed drifts by up to 1.5x over "
+                         "seconds within one process, and a ratio of runs minutes apart measures the drift")
+    ap.add_argument("--keep-prefix-cache", action="store_true",
+                    help="do not flush SGLang's prefix cache before each measurement: a prompt served before is a "
+                         "cache hit (its decode state rebuilt from the cached KV), so with --interleave the rounds "
+                         "after the first compare decode windows seconds apart, not a prefill apart (SmolLM2 at 8K: "
+                         "2 minutes); prefill_s is then the cached prefill")
     ap.add_argument("--quick", action="store_true", help="contexts 4K and 8K, 32 new tokens")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "serve.json"))
     ap.add_argument("--py-spy", metavar="DIR", default=None,
@@ -244,7 +267,7 @@ def main() -> None:
 
     from nosa.config import NosaConfig
     from nosa.serve.checkpoint import load_nosa_config
-    from nosa.serve.tools.process import ServerProcess
+    from nosa.serve.tools.process import ServerProcess, stop_all
 
     work = tempfile.mkdtemp(prefix="nosa_bench_")
     ckpt = args.checkpoint
@@ -272,36 +295,70 @@ def main() -> None:
              "--mem-fraction-static", "0.3", "--context-length", str(max_ctx),
              "--max-total-tokens", str(host_tokens), "--max-running-requests", str(args.batch)]
     results = []
-    for round_, (label, path) in itertools.product(range(args.repeat), checkpoints):
-        for variant in args.backends:
-            if label != "main" and "offload" not in variant:
-                continue
-            for tp in args.tp_sizes:
-                name = f"{label}_{variant}_tp{tp}" + (f"_r{round_}" if args.repeat > 1 else "")
-                stats = os.path.join(work, f"{name}.stats.json") if "offload" in variant else None
-                server_args, env = server_setup(variant, flags, cfg, args.batch, host_tokens, args.threads, tp, stats)
-                start = time.perf_counter()
-                server = ServerProcess(path, server_args, os.path.join(work, f"{name}.log"),
-                                       env=env).wait_ready(timeout=1800)  # compiled variants build a graph first
-                startup = round(time.perf_counter() - start, 1)
-                try:
-                    measure(server, random_prompts(512, args.batch), 16, warm_up=True)  # a fresh server's first calls
-                    before = served_counters(server, stats) if stats else None
-                    for context in args.contexts:
-                        spy = (os.path.join(args.py_spy, f"{name}_{context}.txt")
-                               if args.py_spy else None)
-                        row = {"checkpoint": label, "round": round_, "backend": variant, "tp_size": tp,
-                               "context": context,
-                               **profiled_measure(server, prompts[context], args.new_tokens, spy),
-                               "server_start_s": startup}
-                        if stats:
-                            after = served_counters(server, stats)
-                            row["offload"] = counter_delta(before, after)
-                            before = after
-                        print(json.dumps(row), flush=True)
-                        results.append(row)
-                finally:
-                    server.stop()
+
+    def start(label: str, path: str, variant: str, tp: int, name: str):
+        """A warmed-up server of the variant: (server, its stats file or None, start-up seconds)."""
+        stats = os.path.join(work, f"{name}.stats.json") if "offload" in variant else None
+        server_args, env = server_setup(variant, flags, cfg, args.batch, host_tokens, args.threads, tp, stats)
+        begin = time.perf_counter()
+        server = ServerProcess(path, server_args, os.path.join(work, f"{name}.log"),
+                               env=env).wait_ready(timeout=1800)  # compiled variants build a graph first
+        startup = round(time.perf_counter() - begin, 1)
+        try:
+            measure(server, random_prompts(512, args.batch), 16, warm_up=True)  # a fresh server's first calls
+        except BaseException:
+            server.stop()
+            raise
+        return server, stats, startup
+
+    def measure_rows(server, stats, before, meta: dict, contexts: list[int], name: str):
+        """One row per context (results and stdout); returns the offloading counters after them."""
+        for context in contexts:
+            spy = os.path.join(args.py_spy, f"{name}_{context}_r{meta['round']}.txt") if args.py_spy else None
+            row = {**meta, "context": context,
+                   **profiled_measure(server, prompts[context], args.new_tokens, spy, flush=not args.keep_prefix_cache)}
+            if stats:
+                after = served_counters(server, stats, flush=not args.keep_prefix_cache)
+                row["offload"] = counter_delta(before, after)
+                before = after
+            print(json.dumps(row), flush=True)
+            results.append(row)
+        return before
+
+    runs = [(label, path, variant, tp) for label, path in checkpoints for variant in args.backends
+            for tp in args.tp_sizes if label == "main" or "offload" in variant]
+    if not args.interleave:  # each variant's server alone, one after the other (a fresh one per round)
+        for round_, (label, path, variant, tp) in itertools.product(range(args.repeat), runs):
+            name = f"{label}_{variant}_tp{tp}" + (f"_r{round_}" if args.repeat > 1 else "")
+            server, stats, startup = start(label, path, variant, tp, name)
+            try:
+                before = served_counters(server, stats) if stats else None
+                meta = {"checkpoint": label, "round": round_, "backend": variant, "tp_size": tp,
+                        "server_start_s": startup}
+                measure_rows(server, stats, before, meta, args.contexts, name)
+            finally:
+                server.stop()
+    else:  # every server up at once, all but the measured one paused; rounds of short turns
+        up = []
+        try:
+            for label, path, variant, tp in runs:
+                name = f"{label}_{variant}_tp{tp}"
+                server, stats, startup = start(label, path, variant, tp, name)
+                up.append({"server": server, "stats": stats, "name": name,
+                           "before": served_counters(server, stats) if stats else None,
+                           "meta": {"checkpoint": label, "backend": variant, "tp_size": tp, "server_start_s": startup}})
+                server.pause()
+            for round_, context in itertools.product(range(args.repeat), args.contexts):
+                shift = round_ % len(up)  # each round another variant goes first
+                for entry in up[shift:] + up[:shift]:
+                    entry["server"].resume()
+                    try:
+                        entry["before"] = measure_rows(entry["server"], entry["stats"], entry["before"],
+                                                       {**entry["meta"], "round": round_}, [context], entry["name"])
+                    finally:
+                        entry["server"].pause()
+        finally:
+            stop_all(e["server"] for e in up)
     main_rows = [r for r in results if r["checkpoint"] == "main"]
     report = {"model": f"checkpoint {args.checkpoint}" if args.checkpoint else
               "llama 2 layers, hidden 256, GQA 8/2, fp32, random weights",

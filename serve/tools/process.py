@@ -94,13 +94,27 @@ class ServerProcess:
             raise RuntimeError(f"/generate returned {status}: {body}")
         return body["output_ids"]
 
-    def terminate(self) -> None:
-        """Ask the server and the children it spawned to exit (SIGTERM); ``stop()`` waits for them."""
+    def pause(self) -> None:
+        """Stop the server and its children (SIGSTOP to its process group): an idle SGLang server
+        keeps a core busy polling, so a benchmark that keeps several up pauses all but one."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Undo ``pause`` (SIGCONT)."""
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: int) -> None:
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
+
+    def terminate(self) -> None:
+        """Ask the server and the children it spawned to exit (SIGTERM, then SIGCONT so that a paused
+        server acts on it); ``stop()`` waits for them."""
+        self._signal(signal.SIGTERM)
+        self._signal(signal.SIGCONT)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Terminate, wait up to ``timeout`` seconds for the exit, then kill what is left."""
