@@ -444,10 +444,13 @@ class DeviceBlockCache:
         slot_item = torch.where(here, item, -1).max(dim=-1).values  # [R, Hkv]
         rows = torch.where(slot_item >= 0, slot_item * self.block + (last % self.block)[:, None], self.dump_row)
         rows = rows.flatten()
+        # (item, token) indices into the buffers themselves: after the recall's operator mutated them, a
+        # write through a view made torch.compile copy each whole buffer onto itself every step
+        where = (rows // self.block, rows % self.block)
         k, v = self.k[layer], self.v[layer]
-        k.view(-1, k.shape[-1]).index_copy_(0, rows, k_new.reshape(rows.numel(), -1).to(k.dtype))
-        v.view(-1, v.shape[-1]).index_copy_(0, rows, v_new.reshape(rows.numel(), -1).to(v.dtype))
-        self.cis[layer].view(-1).index_copy_(0, rows, cis_new.reshape(-1).float())
+        k.index_put_(where, k_new.reshape(rows.numel(), -1).to(k.dtype))
+        v.index_put_(where, v_new.reshape(rows.numel(), -1).to(v.dtype))
+        self.cis[layer].index_put_(where, cis_new.reshape(-1).float())
 
     def _count(self, layer, groups, wanted, hit, miss, prefetch_hit, warm, real) -> None:
         """Add the step's counters on the device (read on the host with ``stats``, outside a step)."""

@@ -89,7 +89,9 @@ def test_compiled_step_equals_eager_without_recompiling(offload):
     run on real batches whose lengths change every step: same outputs and selections as eager,
     one compilation. The compiled step writes the states in place: no generated loop runs over all
     the pages of a layer (functionalization turns a write through a view of a stacked [layers, ...]
-    tensor into a copy of all of it every step, a cost that grows with the server's capacity)."""
+    tensor into a copy of all of it every step, a cost that grows with the server's capacity), nor,
+    with offloading, over a layer's host pool or device block cache (a write through a view of a
+    buffer that the recall's operator mutated was compiled into a copy of the whole buffer)."""
     import torch._dynamo
     from torch._inductor.utils import run_and_get_code
 
@@ -102,7 +104,13 @@ def test_compiled_step_equals_eager_without_recompiling(offload):
     graph.begin([0, 0, 0])  # the capture batch: padding rows only
     _, code = run_and_get_code(compiled, *graph.new_tokens(999))
     pool = graph.states.pool
-    for name, t in {"ck": pool.ck[0], "static": pool.static[0]}.items():  # the pages: sized by the capacity
+    sized = {"ck": pool.ck[0], "static": pool.static[0]}  # the pages: sized by the capacity
+    if offload:  # the host pool and the device block cache, which the new tokens are written into
+        cache = graph.engine.cache
+        sized.update({f"host {n}": b[0] for n, b in (("k", graph.pool.k_buffer), ("v", graph.pool.v_buffer),
+                                                     ("cis", graph.pool.cis_buffer))})
+        sized.update({"cache k": cache.k[0], "cache v": cache.v[0], "cache cis": cache.cis[0]})
+    for name, t in sized.items():
         assert f"<static_cast<int64_t>({t.numel()}L)" not in "".join(code), f"the compiled step copies {name} whole"
     with torch._dynamo.config.patch(error_on_recompile=True):
         for step in range(12):
