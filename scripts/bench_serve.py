@@ -48,7 +48,8 @@ and each rank runs ``--threads`` torch threads.
 
 ``--py-spy DIR`` also samples the server's scheduler process (the one running the forward passes)
 with py-spy (``pip install py-spy``) while each context is measured: the raw stacks go to
-``DIR/<variant>_tp<N>_<context>.txt`` (rank 0's scheduler under TP), and each result row gets
+``DIR/<checkpoint label>_<variant>_tp<N>_<context>_r<round>.txt`` (rank 0's scheduler under TP),
+and each result row gets
 ``extend_profile``, the functions under the attention backend's ``forward_extend`` (prefill) with
 their share of its samples.
 """
@@ -311,10 +312,11 @@ def main() -> None:
             raise
         return server, stats, startup
 
-    def measure_rows(server, stats, before, meta: dict, contexts: list[int], name: str):
+    def measure_rows(server, stats, before, meta: dict, contexts: list[int]):
         """One row per context (results and stdout); returns the offloading counters after them."""
         for context in contexts:
-            spy = os.path.join(args.py_spy, f"{name}_{context}_r{meta['round']}.txt") if args.py_spy else None
+            spy = (os.path.join(args.py_spy, f"{meta['checkpoint']}_{meta['backend']}_tp{meta['tp_size']}_{context}"
+                                f"_r{meta['round']}.txt") if args.py_spy else None)
             row = {**meta, "context": context,
                    **profiled_measure(server, prompts[context], args.new_tokens, spy, flush=not args.keep_prefix_cache)}
             if stats:
@@ -335,7 +337,7 @@ def main() -> None:
                 before = served_counters(server, stats) if stats else None
                 meta = {"checkpoint": label, "round": round_, "backend": variant, "tp_size": tp,
                         "server_start_s": startup}
-                measure_rows(server, stats, before, meta, args.contexts, name)
+                measure_rows(server, stats, before, meta, args.contexts)
             finally:
                 server.stop()
     else:  # every server up at once, all but the measured one paused; rounds of short turns
@@ -344,7 +346,7 @@ def main() -> None:
             for label, path, variant, tp in runs:
                 name = f"{label}_{variant}_tp{tp}"
                 server, stats, startup = start(label, path, variant, tp, name)
-                up.append({"server": server, "stats": stats, "name": name,
+                up.append({"server": server, "stats": stats,
                            "before": served_counters(server, stats) if stats else None,
                            "meta": {"checkpoint": label, "backend": variant, "tp_size": tp, "server_start_s": startup}})
                 server.pause()
@@ -354,7 +356,7 @@ def main() -> None:
                     entry["server"].resume()
                     try:
                         entry["before"] = measure_rows(entry["server"], entry["stats"], entry["before"],
-                                                       {**entry["meta"], "round": round_}, [context], entry["name"])
+                                                       {**entry["meta"], "round": round_}, [context])
                     finally:
                         entry["server"].pause()
         finally:
