@@ -23,7 +23,7 @@ def share(right: int, n: int) -> dict:
     return {"right": right, "n": n, "acc": right / n if n else 0.0, "lo": lo, "hi": hi}
 
 
-def summarise(args, counts, variants, records, perplexity, seconds, budget_config, env, seconds_total) -> dict:
+def summarise(args, counts, variants, records, perplexity, seconds, env, seconds_total) -> dict:
     """The report written to --out: configuration, one result per (variant, length), perplexity and
     every example's replies."""
     results = []
@@ -38,7 +38,7 @@ def summarise(args, counts, variants, records, perplexity, seconds, budget_confi
                    "task_mean": sum(t["acc"] for t in tasks.values()) / len(tasks),
                    "seconds": round(seconds.get((v.name, length), 0.0), 1)}
             if v.share is not None:
-                cfg = budget_config(length, v.share)
+                cfg = v.config(length)
                 sel = [r["select"][v.name] for r in done if v.name in r["select"]]
                 total = {k: sum(s[k] for s in sel) for k in ("entering", "transitions", "selected", "mass", "layers")}
                 row.update(
@@ -61,6 +61,7 @@ def summarise(args, counts, variants, records, perplexity, seconds, budget_confi
         "examples_per_task": {str(k): v for k, v in counts.items()},
         "tasks": list(args.tasks),
         "shares": list(args.shares),
+        "picks": [str(p) for p in args.picks],
         "seed": args.seed,
         "scoring": "exact match of every reference inside the normalised greedy reply (nosa.train.ruler.is_right)",
         "spread": "Wilson 95% interval of each share of right answers",
@@ -73,6 +74,41 @@ def summarise(args, counts, variants, records, perplexity, seconds, budget_confi
         "env": env,
         "seconds": round(seconds_total, 1),
     }
+
+
+def merge(reports: list[dict]) -> dict:
+    """One report from reports of disjoint lengths run with the same model, variants, tasks, budgets,
+    prefill and seed (e.g. one process per length). Perplexity comes from the report of the longest
+    length that measured it; "seconds" is the longest part (the parts ran side by side), and
+    "seconds_parts" lists each part's."""
+    same = ("model", "prefill", "tasks", "shares", "picks", "seed")
+    first = reports[0]
+    for r in reports[1:]:
+        for key in same:
+            if r.get(key) != first.get(key):
+                raise SystemExit(f"bench_longctx --merge: the reports differ in {key!r}: "
+                                 f"{first.get(key)!r} vs {r.get(key)!r}")
+        if [v["variant"] for v in r["results"] if v["length"] == r["lengths"][0]] != \
+                [v["variant"] for v in first["results"] if v["length"] == first["lengths"][0]]:
+            raise SystemExit("bench_longctx --merge: the reports have different variants")
+    lengths = [n for r in reports for n in r["lengths"]]
+    if len(set(lengths)) != len(lengths):
+        raise SystemExit(f"bench_longctx --merge: a length is in more than one report: {lengths}")
+    order = sorted(range(len(reports)), key=lambda i: min(reports[i]["lengths"]))
+    reports = [reports[i] for i in order]
+    with_ppl = [r for r in reports if r["perplexity"]]
+    out = dict(first)
+    out.update(
+        lengths=sorted(lengths),
+        examples_per_task={k: v for r in reports for k, v in r["examples_per_task"].items()},
+        context_prefill_seconds={k: v for r in reports for k, v in r["context_prefill_seconds"].items()},
+        results=[row for r in reports for row in r["results"]],
+        examples=[ex for r in reports for ex in r["examples"]],
+        perplexity=max(with_ppl, key=lambda r: r["perplexity"][0]["length"])["perplexity"] if with_ppl else [],
+        seconds=max(r["seconds"] for r in reports),
+        seconds_parts=[r["seconds"] for r in reports],
+    )
+    return out
 
 
 def _pct(s: dict) -> str:

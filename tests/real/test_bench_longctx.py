@@ -1,27 +1,82 @@
 """scripts/bench_longctx.py: the suite's NosaConfigs, the Wilson interval, and a tiny end-to-end run
 on the real model in which A = 0 with every block in its budget must reply exactly as dense."""
 
+import argparse
 import json
 import os
 import sys
+from fractions import Fraction
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "scripts"))
 import bench_longctx  # noqa: E402
-from _longctx_report import wilson  # noqa: E402
+from _longctx_report import merge, wilson  # noqa: E402
 
 
 def test_budget_config_scales_the_released_structure():
-    cfg = bench_longctx.budget_config(8192, 4)
+    cfg = bench_longctx.budget_config(8192, 4, bench_longctx.RELEASED_PICKS)
     assert (cfg.num_blocks(8192), cfg.topk_blocks, cfg.window_blocks, cfg.query_blocks) == (256, 64, 17, 15)
+    cfg = bench_longctx.budget_config(8192, 4)  # the suite's default split: 1/16 of the budget as picks
+    assert (cfg.topk_blocks, cfg.window_blocks, cfg.query_blocks) == (64, 17, 4)
     assert (cfg.sink_blocks, cfg.block_size, cfg.dense_len) == (1, 32, 0)
     for length in (2048, 4096, 8192):
         for share in (4, 8):
             cfg = bench_longctx.budget_config(length, share)
             assert cfg.topk_blocks * share == length // 32
             assert cfg.window_blocks >= 2 and cfg.topk_blocks >= cfg.sink_blocks + cfg.window_blocks + cfg.query_blocks
+
+
+def test_budget_config_picks_share():
+    cfg = bench_longctx.budget_config(8192, 4, Fraction(1, 8))
+    assert (cfg.topk_blocks, cfg.window_blocks, cfg.query_blocks) == (64, 17, 8)
+    assert bench_longctx.budget_config(2048, 4, Fraction(0)).query_blocks == 0
+    assert bench_longctx.picks_share("1/16") == Fraction(1, 16)
+    for bad in ("1", "-1/8", "x", "1/0"):
+        with pytest.raises(argparse.ArgumentTypeError, match="fraction|share"):
+            bench_longctx.picks_share(bad)
+
+
+def test_a0_selection_does_not_depend_on_the_picks_share():
+    """What --picks's help says: with every eviction head off, picks and ranked blocks are both the
+    query's top blocks, so only their sum (the budget) matters."""
+    from nosa import nosa_prefill
+
+    torch.manual_seed(0)
+    T, hq, hkv, d = 1024, 6, 2, 16
+    q, k, v = torch.randn(T, hq, d), torch.randn(T, hkv, d), torch.randn(T, hkv, d)
+    cis = torch.zeros(T, hkv)
+    sets = []
+    for picks in (bench_longctx.RELEASED_PICKS, Fraction(1, 8), Fraction(0)):
+        _, sel = nosa_prefill(q, k, v, cis, bench_longctx.budget_config(T, 2, picks), d ** -0.5)
+        sets.append(sel.sort(dim=-1).values)
+    assert sets[0].shape[-1] == 16 and (sets[0] >= 0).any()
+    assert torch.equal(sets[0], sets[1]) and torch.equal(sets[0], sets[2])
+
+
+def _report(length, ppl_length=None, variants=("dense", "A = 0, 1/4"), seed=0):
+    return {"model": "m", "prefill": "dense", "tasks": ["qa"], "shares": [4], "picks": ["15/64"], "seed": seed,
+            "lengths": [length], "examples_per_task": {str(length): 2}, "context_prefill_seconds": {str(length): 1.0},
+            "results": [{"variant": v, "length": length} for v in variants],
+            "examples": [{"length": length, "index": i} for i in range(2)], "seconds": length / 1000,
+            "perplexity": [{"variant": "dense", "length": ppl_length}] if ppl_length else []}
+
+
+def test_merge_joins_lengths_and_keeps_the_longest_perplexity():
+    merged = merge([_report(8192, ppl_length=8192), _report(2048, ppl_length=2048), _report(4096)])
+    assert merged["lengths"] == [2048, 4096, 8192]
+    assert [r["length"] for r in merged["results"]] == [2048, 2048, 4096, 4096, 8192, 8192]
+    assert len(merged["examples"]) == 6 and set(merged["examples_per_task"]) == {"2048", "4096", "8192"}
+    assert merged["perplexity"][0]["length"] == 8192
+    assert merged["seconds"] == 8.192 and sorted(merged["seconds_parts"]) == [2.048, 4.096, 8.192]
+    with pytest.raises(SystemExit, match="more than one report"):
+        merge([_report(2048), _report(2048)])
+    with pytest.raises(SystemExit, match="'seed'"):
+        merge([_report(2048), _report(4096, seed=1)])
+    with pytest.raises(SystemExit, match="different variants"):
+        merge([_report(2048), _report(4096, variants=("dense",))])
 
 
 def test_wilson_interval():
