@@ -70,6 +70,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from _serve_measure import measure, profiled_measure  # noqa: E402
+from bench_longctx import PICKS, picks_share  # noqa: E402
 
 
 def build_model(path: str, evict_scale: float = 0.0) -> None:
@@ -235,6 +236,9 @@ def main() -> None:
     ap.add_argument("--share", type=int, default=None,
                     help="serve every checkpoint at the suite's NosaConfig for the longest context and 1/share "
                          "of its blocks (bench_longctx.budget_config) with its own eviction heads")
+    ap.add_argument("--picks", type=picks_share, default=PICKS, metavar="FRACTION",
+                    help="with --share: free query-aware picks as a share of the budget (bench_longctx.py "
+                         "--picks; default the suite's 1/16, the release's 15/64)")
     ap.add_argument("--tp-sizes", type=int, nargs="+", default=[1],
                     help="tensor-parallel sizes to run side by side (--tp-size of each server)")
     ap.add_argument("--evict-scale", type=float, default=0.0,
@@ -281,7 +285,7 @@ def main() -> None:
 
         from nosa.serve.tools.suite_chat import suite_view
 
-        share_cfg = budget_config(max(args.contexts), args.share)
+        share_cfg = budget_config(max(args.contexts), args.share, args.picks)
         checkpoints = [(label, suite_view(path, share_cfg, os.path.join(work, f"view-{label}")))
                        for label, path in checkpoints]
     cfg = load_nosa_config(checkpoints[0][1])[0] if args.checkpoint else NosaConfig()

@@ -50,6 +50,8 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+from bench_longctx import PICKS, picks_share  # noqa: E402
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,6 +71,9 @@ def parse_args(argv=None):
     suite.add_argument("--tasks", nargs="+", default=None, help="suite tasks (default: all of nosa.train.ruler)")
     suite.add_argument("--per-task", type=int, default=1, help="examples of each task")
     suite.add_argument("--share", type=int, default=4, help="budget = 1/share of the context's blocks")
+    suite.add_argument("--picks", type=picks_share, default=PICKS, metavar="FRACTION",
+                       help="free query-aware picks as a share of the budget (bench_longctx.py --picks; "
+                            "default the suite's 1/16, the release's 15/64)")
     suite.add_argument("--suite-seed", type=int, default=0, help="seed of the suite's examples "
                        "(bench_longctx.py --seed)")
     p.add_argument("--wandb", choices=["offline", "online"], default=None,
@@ -140,7 +145,7 @@ def suite_plan(args, work: str) -> Plan:
     from nosa.train import ruler
 
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
-    cfg = budget_config(args.length, args.share)
+    cfg = budget_config(args.length, args.share, args.picks)
     config = model_config(args.checkpoint)
     if "nosa" in config:  # its eviction heads at the suite's budget
         serve_path, env, heads = suite_view(args.checkpoint, cfg, os.path.join(work, "checkpoint")), None, "its own"

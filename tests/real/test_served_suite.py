@@ -22,6 +22,7 @@ from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 LENGTH, SHARE, TASKS = 512, 4, ("passkey", "niah_single", "qa")
+PICKS = "15/64"  # the released split: 1 of the 4 blocks is a query-aware pick (the default 1/16 rounds to none)
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,14 @@ def random_heads_checkpoint(dense_model_once, real_tokenizer, tmp_path_factory):
         pytest.skip(tiny.cpu_engine_missing())
     import copy
 
-    from bench_longctx import budget_config
+    from bench_longctx import budget_config, picks_share
 
     import nosa
     from nosa.tiny import set_eviction_heads
 
     model = copy.deepcopy(dense_model_once)
-    nosa.convert(model, budget_config(LENGTH, SHARE))
+    nosa.convert(model, budget_config(LENGTH, SHARE, picks_share(PICKS)))
+    assert model.config.nosa["query_blocks"] == 1
     set_eviction_heads(model, scale=0.5, std=0.3, seed=0, bias_std=0.3)
     path = tmp_path_factory.mktemp("smollm2") / "nosa"
     model.save_pretrained(path)
@@ -52,7 +54,7 @@ def test_served_replies_equal_the_hf_nosa_model(random_heads_checkpoint, real_to
 
     out = tmp_path / "summary.json"
     cmd = [sys.executable, "scripts/serve_ask.py", "--suite", "--checkpoint", random_heads_checkpoint,
-           "--length", str(LENGTH), "--share", str(SHARE), "--tasks", *TASKS, "--concurrency", "3",
+           "--length", str(LENGTH), "--share", str(SHARE), "--picks", PICKS, "--tasks", *TASKS, "--concurrency", "3",
            "--device-requests", "2", "--out", str(out), "--plot", ""]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
