@@ -111,6 +111,49 @@ def merge(reports: list[dict]) -> dict:
     return out
 
 
+def targets(report: dict) -> list[dict]:
+    """The issue's targets per NOSA variant and length, against dense and against A = 0 at the same
+    budget: the accuracy gap to dense in points, averaged over the tasks where dense scores at least
+    50%; the tasks where the variant answered fewer than A = 0; the hit rate; blocks entering per
+    step over A = 0's; perplexity over dense (at the perplexity's length)."""
+    get = {(r["variant"], r["length"]): r for r in report["results"]}
+    ppl = {p["variant"]: p for p in report["perplexity"]}
+    rows = []
+    for r in report["results"]:
+        if r["share"] is None or r["variant"].startswith("A = 0"):
+            continue
+        n, dense, a0 = r["length"], get[("dense", r["length"])], get.get((f"A = 0, 1/{r['share']}", r["length"]))
+        kept = [t for t, d in dense["tasks"].items() if d["n"] and d["acc"] >= 0.5]
+        mean = (lambda row: sum(row["tasks"][t]["acc"] for t in kept) / len(kept)) if kept else None
+        row = {"variant": r["variant"], "length": n, "share": r["share"], "dense_tasks": kept,
+               "dense_acc": mean(dense) if kept else None, "acc": mean(r) if kept else None,
+               "points_below_dense": 100 * (mean(dense) - mean(r)) if kept else None,
+               "hit_rate": r["hit_rate"]}
+        if a0 is not None:
+            row["tasks_below_a0"] = [t for t, x in r["tasks"].items() if x["right"] < a0["tasks"][t]["right"]]
+            row["entering_over_a0"] = r["entering_mean"] / a0["entering_mean"] if a0["entering_mean"] else None
+        p = ppl.get(r["variant"])
+        if p is not None and p["length"] == n:
+            row["ppl_over_dense"] = p["ratio_to_dense"]
+        rows.append(row)
+    return rows
+
+
+def targets_table(report: dict) -> str:
+    """Markdown of ``targets``."""
+    out = ["| context | variant | dense's >= 50% tasks | dense | variant | points below dense | tasks below A = 0 "
+           "| hit rate | entering / A = 0 | perplexity / dense |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for t in targets(report):
+        acc = (f"{100 * t['dense_acc']:.1f}% | {100 * t['acc']:.1f}% | {t['points_below_dense']:.1f}"
+               if t["dense_tasks"] else "- | - | -")
+        below = ", ".join(t.get("tasks_below_a0", [])) or "none"
+        ratio = f"{t['entering_over_a0']:.2f}x" if t.get("entering_over_a0") is not None else "-"
+        ppl = f"{t['ppl_over_dense']:.4f}" if "ppl_over_dense" in t else "-"
+        out.append(f"| {t['length']} | {t['variant']} | {', '.join(t['dense_tasks']) or 'none'} | {acc} | {below} "
+                   f"| {t['hit_rate']:.1%} | {ratio} | {ppl} |")
+    return "\n".join(out)
+
+
 def _pct(s: dict) -> str:
     return f"{s['right']}/{s['n']} [{s['lo']:.0%}, {s['hi']:.0%}]"
 
@@ -137,6 +180,8 @@ def tables(report: dict) -> str:
                 out.append(f"| {n} | {v} | {r['budget_blocks']} of {r['context_blocks']} | {r['all']['acc']:.1%} | "
                            f"{r['entering_mean']:.2f} ({r['entering_max']}) | {r['hit_rate']:.1%} | {r['mass']:.3f} "
                            f"| {r['seconds']:.0f} |")
+    if any(r["share"] is not None and not r["variant"].startswith("A = 0") for r in results):
+        out += ["", targets_table(report)]
     if report["perplexity"]:
         p0 = report["perplexity"][0]
         out += ["", f"| perplexity, last {p0['tokens'] // p0['windows']} tokens of {p0['windows']} held-out "

@@ -13,7 +13,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "scripts"))
 import bench_longctx  # noqa: E402
-from _longctx_report import merge, wilson  # noqa: E402
+from _longctx_report import merge, targets, wilson  # noqa: E402
+from _longctx_report import share as right_share  # noqa: E402
 
 
 def test_budget_config_scales_the_released_structure():
@@ -77,6 +78,21 @@ def test_merge_joins_lengths_and_keeps_the_longest_perplexity():
         merge([_report(2048), _report(4096, seed=1)])
     with pytest.raises(SystemExit, match="different variants"):
         merge([_report(2048), _report(4096, variants=("dense",))])
+
+
+def test_targets_against_dense_and_a0():
+    def row(variant, s, rights, entering=None, hit=None):
+        tasks = {t: right_share(r, 4) for t, r in zip(("passkey", "qa", "vt"), rights)}
+        return {"variant": variant, "length": 2048, "share": s, "tasks": tasks, "entering_mean": entering,
+                "hit_rate": hit}
+    report = {"results": [row("dense", None, (4, 2, 1)), row("A = 0, 1/4", 4, (4, 1, 1), 2.0, 0.85),
+                          row("fitted, 1/4", 4, (3, 2, 0), 0.5, 0.97)],
+              "perplexity": [{"variant": "fitted, 1/4", "length": 2048, "ratio_to_dense": 1.02}]}
+    (t,) = targets(report)
+    assert t["dense_tasks"] == ["passkey", "qa"]  # vt: dense 1/4 < 50%
+    assert t["points_below_dense"] == pytest.approx(12.5)  # (100 + 50) / 2 - (75 + 50) / 2
+    assert t["tasks_below_a0"] == ["passkey", "vt"]
+    assert t["entering_over_a0"] == 0.25 and t["hit_rate"] == 0.97 and t["ppl_over_dense"] == 1.02
 
 
 def test_wilson_interval():
