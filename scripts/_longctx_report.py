@@ -204,7 +204,7 @@ def plot(report: dict, path: str) -> None:
     sparse = [v for v in names if any(r["variant"] == v and r["share"] is not None for r in results)]
     lengths = report["lengths"]
     get = {(r["variant"], r["length"]): r for r in results}
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     panels = [(axes[0], names, "accuracy, all tasks (%)", lambda r: 100 * r["all"]["acc"]),
               (axes[1], sparse, "blocks entering per decode step", lambda r: r["entering_mean"]),
               (axes[2], sparse, "hit rate, device cache = budget (%)", lambda r: 100 * r["hit_rate"])]
@@ -222,10 +222,12 @@ def plot(report: dict, path: str) -> None:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))], [str(n) for n in lengths])
         ax.set_xlabel("context (tokens)")
         ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=7, loc="lower left")
+    handles, labels = axes[0].get_legend_handles_labels()  # every variant, in the same colours as elsewhere
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(names), 4), fontsize=8, frameon=False)
     source = report.get("model_source") or {}
     fig.suptitle(f"{source.get('name', report['model'])} ({source.get('quantization', '?')} dequantized), "
                  f"{report['prefill']} context prefill; whiskers: Wilson 95%", fontsize=9)
-    fig.tight_layout()
+    rows = -(-len(names) // 4)
+    fig.tight_layout(rect=(0, 0.06 * rows, 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
