@@ -315,9 +315,14 @@ def main(argv=None) -> int:
     if args.merge:
         reports = []
         for path in args.merge:
-            with open(path) as f:
-                reports.append(json.load(f))
+            try:
+                with open(path) as f:
+                    reports.append(json.load(f))
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"bench_longctx --merge: cannot read the report {path!r}: {e}") from None
         return write_report(merge(reports), args.out, args.plot)
+    if args.ppl_windows < 0:
+        parser.error(f"--ppl-windows must be 0 or more, got {args.ppl_windows}")
     if args.quick:
         args.lengths, args.examples, args.ppl_windows = [min(args.lengths)], [4], 1
     counts = args.examples * len(args.lengths) if len(args.examples) == 1 else args.examples

@@ -80,6 +80,11 @@ def test_merge_joins_lengths_and_keeps_the_longest_perplexity():
         merge([_report(2048), _report(4096, variants=("dense",))])
 
 
+def test_merge_names_an_unreadable_report(tmp_path):
+    with pytest.raises(SystemExit, match="cannot read the report .*missing.json"):
+        bench_longctx.main(["--merge", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o.json")])
+
+
 def test_targets_against_dense_and_a0():
     def row(variant, s, rights, entering=None, hit=None):
         tasks = {t: right_share(r, 4) for t, r in zip(("passkey", "qa", "vt"), rights)}
