@@ -62,28 +62,9 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-BLOCK = 32  # tokens per block: 8K = 256 blocks
-RELEASED = (64, 17, 15)  # the released NOSA budget, window and picks, in blocks
-RELEASED_PICKS = Fraction(RELEASED[2], RELEASED[0])
-# Default share of the budget for the free query-aware picks, chosen by measurement (README, "Choosing
-# the split"): on examples of another seed, 1/16 kept the fitted heads' accuracy at 2K and raised it
-# at 4K against the released 15/64, with 3.3x fewer blocks entering per step (hit rate 98% vs 93%).
-PICKS = Fraction(1, 16)
+from _suite_config import PICKS, budget_config, picks_share  # noqa: E402
+
 PPL_TAIL = 1024  # perplexity: tokens scored at the end of each window (half the window if shorter)
-
-
-def budget_config(length: int, share: int, picks: Fraction = PICKS):
-    """The NosaConfig of the suite at ``length`` tokens and a budget of 1/``share`` of its blocks:
-    1 sink block, a window of 17/64 of the budget (the released proportion, rounded half up; at least
-    2 blocks, so compressed windows end inside it), ``picks`` of the budget as free query-aware picks
-    (rounded half up), the rest ranked by the eviction heads. 8K at 1/4: 64 = 1 + 17 + 4 + 42; with
-    ``picks=RELEASED_PICKS`` the released structure, 64 = 1 + 17 + 15 + 31."""
-    from nosa.config import NosaConfig
-
-    budget = length // BLOCK // share
-    window = max(2, int(budget * RELEASED[1] / RELEASED[0] + 0.5))
-    return NosaConfig(block_size=BLOCK, compress_kernel=BLOCK, compress_stride=BLOCK // 2, sink_blocks=1,
-                      window_blocks=window, topk_blocks=budget, query_blocks=int(budget * picks + 0.5), dense_len=0)
 
 
 @dataclass
@@ -268,17 +249,6 @@ def load_variants(args):
         variants += [Variant(f"{label}, 1/{s}" + (f", picks {p}" if args.picks != [PICKS] else ""), model, s, base, p)
                      for s in args.shares for p in args.picks]
     return variants, tokenizer, file_digest(args.model)
-
-
-def picks_share(text: str) -> Fraction:
-    """--picks: a fraction in [0, 1) such as 1/8 or 0.125."""
-    try:
-        value = Fraction(text)
-    except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction such as 1/8") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1): picks are a share of the budget")
-    return value
 
 
 def main(argv=None) -> int:

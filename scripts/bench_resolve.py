@@ -20,7 +20,7 @@ resolve -> attend per layer, no model around it) in one process, one torch threa
 
 Shapes: ``tiny``, the quickstart checkpoint's (2 layers, 4/2 heads of 32, blocks of 4, budget 32,
 4 requests at 2K); ``smollm2``, SmolLM2-135M's attention (30 layers, 9/3 heads of 64) at the long-
-context suite's 8K NosaConfig (bench_longctx.budget_config(8192, 4): 64 of 256 blocks of 32 =
+context suite's 8K NosaConfig (_suite_config.budget_config(8192, 4): 64 of 256 blocks of 32 =
 1 + 17 + 4 picks + 42 ranked), one request. Random K/V and eviction heads
 (hit rates differ from a trained model's). Not a test: nothing is asserted.
 """
@@ -46,7 +46,7 @@ def shape(name: str):
                          topk_blocks=32, query_blocks=1, dense_len=0)
         return cfg, {"num_layers": 2, "hq": 4, "hkv": 2, "head_dim": 32}, [2048] * 4
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from bench_longctx import budget_config
+    from _suite_config import budget_config
 
     return budget_config(8192, 4), {"num_layers": 30, "hq": 9, "hkv": 3, "head_dim": 64}, [8100]
 

@@ -70,7 +70,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from _serve_measure import measure, profiled_measure  # noqa: E402
-from bench_longctx import PICKS, picks_share  # noqa: E402
+from _suite_config import PICKS, picks_share  # noqa: E402
 
 
 def build_model(path: str, evict_scale: float = 0.0) -> None:
@@ -235,7 +235,7 @@ def main() -> None:
                          "model such as SmolLM2), one task per request")
     ap.add_argument("--share", type=int, default=None,
                     help="serve every checkpoint at the suite's NosaConfig for the longest context and 1/share "
-                         "of its blocks (bench_longctx.budget_config) with its own eviction heads")
+                         "of its blocks (_suite_config.budget_config) with its own eviction heads")
     ap.add_argument("--picks", type=picks_share, default=PICKS, metavar="FRACTION",
                     help="with --share: free query-aware picks as a share of the budget (bench_longctx.py "
                          "--picks; default the suite's 1/16, the release's 15/64)")
@@ -281,7 +281,7 @@ def main() -> None:
         build_model(ckpt, args.evict_scale)
     checkpoints = [("main", ckpt)] + [tuple(c.split("=", 1)) for c in args.compare]
     if args.share:
-        from bench_longctx import budget_config
+        from _suite_config import budget_config
 
         from nosa.serve.tools.suite_chat import suite_view
 

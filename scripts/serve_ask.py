@@ -12,7 +12,7 @@ What it does, in order:
    - ``--suite`` (a chat model such as SmolLM2-135M-Instruct): the long-context suite's examples
      (nosa.train.ruler over held-out prose, the prompts of scripts/bench_longctx.py) at
      ``--length`` tokens, ``--per-task`` of each task; the checkpoint is served at the suite's
-     NosaConfig for that length and ``--share`` (bench_longctx.budget_config) with its own
+     NosaConfig for that length and ``--share`` (_suite_config.budget_config) with its own
      eviction heads (a dense checkpoint, e.g. models/smollm2-135m: with A = 0, the backend's
      training-free selection, through NOSA_CONFIG);
 2. starts SGLang on 127.0.0.1 with ``--attention-backend nosa`` and offloading on
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from bench_longctx import PICKS, picks_share  # noqa: E402
+from _suite_config import PICKS, picks_share  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -138,7 +138,7 @@ def recall_plan(args) -> Plan:
 
 def suite_plan(args, work: str) -> Plan:
     """The suite's examples as chat requests; the checkpoint served at the suite's NosaConfig."""
-    from bench_longctx import budget_config
+    from _suite_config import budget_config
     from transformers import AutoTokenizer
 
     from nosa.serve.tools.suite_chat import chat_messages, suite_examples, suite_view

@@ -76,8 +76,8 @@ def ask_chat(url: str, model: str, messages: list[dict], max_tokens: int) -> dic
 def suite_view(checkpoint: str, config, out_dir: str) -> str:
     """A checkpoint directory that serves ``checkpoint`` (its weights and eviction heads) at another
     NosaConfig: every file linked, config.json rewritten with ``config`` as its "nosa" section. The
-    suite runs each checkpoint at its own budget for the length (bench_longctx.budget_config), and
-    the eviction heads do not depend on the budget. Returns ``out_dir``."""
+    suite runs each checkpoint at its own budget for the length (``budget_config`` in
+    scripts/_suite_config.py), and the eviction heads do not depend on the budget. Returns ``out_dir``."""
     import os
 
     from nosa.config import CONFIG_KEY

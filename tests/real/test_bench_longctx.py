@@ -12,32 +12,33 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "scripts"))
+import _suite_config  # noqa: E402
 import bench_longctx  # noqa: E402
 from _longctx_report import merge, targets, wilson  # noqa: E402
 from _longctx_report import share as right_share  # noqa: E402
 
 
 def test_budget_config_scales_the_released_structure():
-    cfg = bench_longctx.budget_config(8192, 4, bench_longctx.RELEASED_PICKS)
+    cfg = _suite_config.budget_config(8192, 4, _suite_config.RELEASED_PICKS)
     assert (cfg.num_blocks(8192), cfg.topk_blocks, cfg.window_blocks, cfg.query_blocks) == (256, 64, 17, 15)
-    cfg = bench_longctx.budget_config(8192, 4)  # the suite's default split: 1/16 of the budget as picks
+    cfg = _suite_config.budget_config(8192, 4)  # the suite's default split: 1/16 of the budget as picks
     assert (cfg.topk_blocks, cfg.window_blocks, cfg.query_blocks) == (64, 17, 4)
     assert (cfg.sink_blocks, cfg.block_size, cfg.dense_len) == (1, 32, 0)
     for length in (2048, 4096, 8192):
         for share in (4, 8):
-            cfg = bench_longctx.budget_config(length, share)
+            cfg = _suite_config.budget_config(length, share)
             assert cfg.topk_blocks * share == length // 32
             assert cfg.window_blocks >= 2 and cfg.topk_blocks >= cfg.sink_blocks + cfg.window_blocks + cfg.query_blocks
 
 
 def test_budget_config_picks_share():
-    cfg = bench_longctx.budget_config(8192, 4, Fraction(1, 8))
+    cfg = _suite_config.budget_config(8192, 4, Fraction(1, 8))
     assert (cfg.topk_blocks, cfg.window_blocks, cfg.query_blocks) == (64, 17, 8)
-    assert bench_longctx.budget_config(2048, 4, Fraction(0)).query_blocks == 0
-    assert bench_longctx.picks_share("1/16") == Fraction(1, 16)
+    assert _suite_config.budget_config(2048, 4, Fraction(0)).query_blocks == 0
+    assert _suite_config.picks_share("1/16") == Fraction(1, 16)
     for bad in ("1", "-1/8", "x", "1/0"):
         with pytest.raises(argparse.ArgumentTypeError, match="fraction|share"):
-            bench_longctx.picks_share(bad)
+            _suite_config.picks_share(bad)
 
 
 def test_a0_selection_does_not_depend_on_the_picks_share():
@@ -50,8 +51,8 @@ def test_a0_selection_does_not_depend_on_the_picks_share():
     q, k, v = torch.randn(T, hq, d), torch.randn(T, hkv, d), torch.randn(T, hkv, d)
     cis = torch.zeros(T, hkv)
     sets = []
-    for picks in (bench_longctx.RELEASED_PICKS, Fraction(1, 8), Fraction(0)):
-        _, sel = nosa_prefill(q, k, v, cis, bench_longctx.budget_config(T, 2, picks), d ** -0.5)
+    for picks in (_suite_config.RELEASED_PICKS, Fraction(1, 8), Fraction(0)):
+        _, sel = nosa_prefill(q, k, v, cis, _suite_config.budget_config(T, 2, picks), d ** -0.5)
         sets.append(sel.sort(dim=-1).values)
     assert sets[0].shape[-1] == 16 and (sets[0] >= 0).any()
     assert torch.equal(sets[0], sets[1]) and torch.equal(sets[0], sets[2])

@@ -31,7 +31,7 @@ def random_heads_checkpoint(dense_model_once, real_tokenizer, tmp_path_factory):
         pytest.skip(tiny.cpu_engine_missing())
     import copy
 
-    from bench_longctx import budget_config, picks_share
+    from _suite_config import budget_config, picks_share
 
     import nosa
     from nosa.tiny import set_eviction_heads
