@@ -94,8 +94,7 @@ def merge(reports: list[dict]) -> dict:
     lengths = [n for r in reports for n in r["lengths"]]
     if len(set(lengths)) != len(lengths):
         raise SystemExit(f"bench_longctx --merge: a length is in more than one report: {lengths}")
-    order = sorted(range(len(reports)), key=lambda i: min(reports[i]["lengths"]))
-    reports = [reports[i] for i in order]
+    reports = sorted(reports, key=lambda r: min(r["lengths"]))
     with_ppl = [r for r in reports if r["perplexity"]]
     out = dict(first)
     out.update(
@@ -124,11 +123,11 @@ def targets(report: dict) -> list[dict]:
             continue
         n, dense, a0 = r["length"], get[("dense", r["length"])], get.get((f"A = 0, 1/{r['share']}", r["length"]))
         kept = [t for t, d in dense["tasks"].items() if d["n"] and d["acc"] >= 0.5]
-        mean = (lambda row: sum(row["tasks"][t]["acc"] for t in kept) / len(kept)) if kept else None
+        dense_acc, acc = ((sum(x["tasks"][t]["acc"] for t in kept) / len(kept) for x in (dense, r)) if kept
+                          else (None, None))
         row = {"variant": r["variant"], "length": n, "share": r["share"], "dense_tasks": kept,
-               "dense_acc": mean(dense) if kept else None, "acc": mean(r) if kept else None,
-               "points_below_dense": 100 * (mean(dense) - mean(r)) if kept else None,
-               "hit_rate": r["hit_rate"]}
+               "dense_acc": dense_acc, "acc": acc,
+               "points_below_dense": 100 * (dense_acc - acc) if kept else None, "hit_rate": r["hit_rate"]}
         if a0 is not None:
             row["tasks_below_a0"] = [t for t, x in r["tasks"].items() if x["right"] < a0["tasks"][t]["right"]]
             row["entering_over_a0"] = r["entering_mean"] / a0["entering_mean"] if a0["entering_mean"] else None

@@ -301,7 +301,7 @@ def main() -> None:
              "--max-total-tokens", str(host_tokens), "--max-running-requests", str(args.batch)]
     results = []
 
-    def start(label: str, path: str, variant: str, tp: int, name: str):
+    def start(path: str, variant: str, tp: int, name: str):
         """A warmed-up server of the variant: (server, its stats file or None, start-up seconds)."""
         stats = os.path.join(work, f"{name}.stats.json") if "offload" in variant else None
         server_args, env = server_setup(variant, flags, cfg, args.batch, host_tokens, args.threads, tp, stats)
@@ -336,7 +336,7 @@ def main() -> None:
     if not args.interleave:  # each variant's server alone, one after the other (a fresh one per round)
         for round_, (label, path, variant, tp) in itertools.product(range(args.repeat), runs):
             name = f"{label}_{variant}_tp{tp}" + (f"_r{round_}" if args.repeat > 1 else "")
-            server, stats, startup = start(label, path, variant, tp, name)
+            server, stats, startup = start(path, variant, tp, name)
             try:
                 before = served_counters(server, stats) if stats else None
                 meta = {"checkpoint": label, "round": round_, "backend": variant, "tp_size": tp,
@@ -349,7 +349,7 @@ def main() -> None:
         try:
             for label, path, variant, tp in runs:
                 name = f"{label}_{variant}_tp{tp}"
-                server, stats, startup = start(label, path, variant, tp, name)
+                server, stats, startup = start(path, variant, tp, name)
                 up.append({"server": server, "stats": stats,
                            "before": served_counters(server, stats) if stats else None,
                            "meta": {"checkpoint": label, "backend": variant, "tp_size": tp, "server_start_s": startup}})
