@@ -360,9 +360,15 @@ class DeviceBlockCache:
 
         lengths [R] long; warm [R] bool (counters); real [R] bool, False for padding rows (their
         group is the spare group; counted nowhere). ``prefetched`` [R, Hkv, NS]: slots a prefetch
-        landed (host side only: ``resolve`` passes it)."""
-        from nosa import ops
+        landed (host side only: ``resolve`` passes it).
 
+        On a CPU server (no prefetch to place) the same step runs as one fused kernel,
+        nosa.kernels.resolve_cpu; this torch code is its spec."""
+        from nosa import ops
+        from nosa.kernels import resolve_cpu
+
+        if prefetched is None and resolve_cpu.wanted_here(wanted, self.k[layer]):
+            return self._resolve_fused(layer, groups, wanted, lengths, pages, host_items, new_tokens, warm, real)
         blocks = self.blocks[layer]
         current = blocks.index_select(0, groups)  # [R, Hkv, NS]
         # The diff runs as if no prefetch had happened (prefetched slots count as empty), so the
@@ -433,6 +439,31 @@ class DeviceBlockCache:
                           self.cis[layer].view(-1), token_rows, valid,
                           items=(self.k[layer], self.v[layer], self.cis[layer]),
                           slots=torch.where(wanted >= 0, item, -1), fill=torch.where(wanted >= 0, fill, 0))
+
+    def _resolve_fused(self, layer, groups, wanted, lengths, pages, host_items, new_tokens, warm, real) -> DeviceRows:
+        """``resolve_step`` without a prefetch, as one CPU kernel call (nosa.kernels.resolve_cpu)."""
+        from nosa.kernels import resolve_cpu
+
+        bufs = [self.k[layer], self.v[layer], self.cis[layer]]
+        new = None
+        if new_tokens is not None:
+            new = [t.to(b.dtype) for t, b in zip(new_tokens, bufs)]
+        by_scheduler = self.scheduler is not None and not captured()
+        start = time.perf_counter()
+        done = resolve_cpu.resolve_layer(self.blocks[layer], self.col_of, groups, wanted, pages, lengths, warm, real,
+                                         bufs, list(host_items), new, self.dump_row, self.counts[layer],
+                                         self.max_warm_misses[layer], self.group_misses, self.home,
+                                         copy=not by_scheduler)
+        if by_scheduler:  # the demand copy through the scheduler (prefetching pauses meanwhile), then the new tokens
+            self.scheduler.demand(layer, bufs, list(host_items), done.miss_dst, done.miss_src)
+            if new is not None:
+                resolve_cpu.write_tokens(wanted, lengths, done.item, bufs, new, self.dump_row)
+        elif done.miss_dst.numel():
+            seconds = time.perf_counter() - start  # the kernel's whole call: the copy and the diff
+            self.host_stats["recall_seconds"][layer] += seconds
+            self.host_stats["stall_seconds"][layer] += seconds
+        return DeviceRows(bufs[0].view(-1, bufs[0].shape[-1]), bufs[1].view(-1, bufs[1].shape[-1]), bufs[2].view(-1),
+                          done.rows, done.valid, items=tuple(bufs), slots=done.item, fill=done.fill)
 
     def _write_tokens(self, layer, wanted, item, lengths, new_tokens) -> None:
         """The new token of each request [R] into the resident slot of its block (the window always

@@ -97,8 +97,12 @@ def test_slot_diff_keeps_hits_and_fills_freed_slots_like_a_plain_model():
                         src = page_of[r][b] * HKV + h
                         assert torch.equal(cache.k[0][item], host[0][src])
                         assert torch.equal(cache.cis[0][item], host[2][src])
-        # the rows attention reads are those items
-        assert torch.equal(found.k[found.rows[found.valid]], found.k[found.rows[found.valid]])
+        # the rows attention reads are those items' tokens, in the wanted order
+        for i, r in enumerate((1, 2)):
+            for h in range(HKV):
+                want = [b for b in wanted[i, h].tolist() if b >= 0]
+                expect = torch.cat([host[0][page_of[r][b] * HKV + h] for b in want])[: int(found.valid[i, h].sum())]
+                assert torch.equal(found.k[found.rows[i, h][found.valid[i, h]]], expect), (step, r, h)
     stats = cache.stats
     assert stats["selected"][0] == selected and stats["hits"][0] == hits
     assert stats["hits"][0] + stats["misses"][0] == stats["selected"][0]

@@ -1,0 +1,193 @@
+// One decode layer's resolve through the device block cache, fused, for CPU servers.
+//
+// The spec is the torch code of nosa.serve.offload.block_cache.DeviceBlockCache.resolve_step (its
+// path without a prefetch); nosa.kernels.resolve_cpu loads this file and tests compare the two.
+// On a CPU that code is about 190 small torch ops per layer, and their dispatch, not the bytes,
+// was most of what offloading cost a decode step; here it is one call.
+//
+// Per (request r, KV head h), every pointer below row-major and contiguous:
+//   1. slot diff: a wanted block already in a slot of the group's row is a hit (its first such
+//      slot); the misses, in order, take the slots sorted by what they offer (empty, then holding
+//      a block not wanted, then kept, then without a column; stable), the k-th miss the k-th slot;
+//   2. the misses' blocks written into the slot map, their items copied from the host pool (every
+//      buffer: K, V, cis), or listed for the caller to copy (do_copy = 0: the recall scheduler);
+//   3. the step's new token written into its tail block's slot (write-through, nosa_write_tokens;
+//      the caller's after its own copy);
+//   4. counters, and the rows attention reads.
+// Rows are diffed against the slot map as it was before the call (padding rows share the spare
+// group), then written in row order, as the torch code's index_select / index_copy_ do.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline int64_t item_of(const int64_t* col_of_row, int64_t slot, int64_t h, int64_t hkv, int64_t home) {
+    // physical column -> device item of KV head h (python floor division and modulo)
+    int64_t col = col_of_row[slot];
+    int64_t q = col >= 0 ? col / home : -((-col + home - 1) / home);
+    int64_t m = col - q * home;
+    return (q * hkv + h) * home + m;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Each request's new token into its tail block's slot (write-through; after the recall, which
+// would overwrite it): item [R, H, W] from nosa_resolve_layer; the dump row where the tail block is
+// not wanted, e.g. a padding row's.
+void nosa_write_tokens(int64_t R, int64_t H, int64_t W, int64_t B, const int64_t* wanted, const int64_t* lengths,
+                       const int64_t* item, int64_t nbufs, char* const* dev, const int64_t* item_bytes,
+                       const char* const* new_tok, int64_t dump_row) {
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t last = lengths[r] - 1, tail = last / B;
+        for (int64_t h = 0; h < H; ++h) {
+            int64_t slot_item = -1;
+            for (int64_t w = 0; w < W; ++w) {
+                const int64_t o = (r * H + h) * W + w;
+                if (wanted[o] == tail) slot_item = std::max(slot_item, item[o]);
+            }
+            const int64_t row = slot_item >= 0 ? slot_item * B + last % B : dump_row;
+            for (int64_t b = 0; b < nbufs; ++b) {
+                const int64_t tok = item_bytes[b] / B;
+                std::memcpy(dev[b] + row * tok, new_tok[b] + (r * H + h) * tok, tok);
+            }
+        }
+    }
+}
+
+// Returns the number of demand misses M (their items in miss_dst[:M] / miss_src[:M]). W <= NS.
+int64_t nosa_resolve_layer(
+    int64_t R, int64_t H, int64_t NS, int64_t W, int64_t B, int64_t home,
+    int64_t* blocks,            // [G+1, H, NS] slot map of the layer (updated)
+    const int64_t* col_of,      // [G+1, NS] slot -> physical column (-1: none)
+    const int64_t* groups,      // [R]
+    const int64_t* wanted,      // [R, H, W] block ids, -1 padded
+    const int64_t* pages,       // [R, H, W] host page of each wanted block
+    const int64_t* lengths,     // [R] context lengths (the new token included)
+    const uint8_t* warm,        // [R]
+    const uint8_t* real,        // [R], or null: every row counts
+    int64_t nbufs,
+    char* const* dev,           // [nbufs] device item buffers (k [S, B, D], v, cis [S, B])
+    char* const* host,          // [nbufs] host item buffers (k [P*H, B, D], ...)
+    const int64_t* item_bytes,  // [nbufs] bytes of one item
+    const char* const* new_tok, // [nbufs] new tokens [R, H, ...] (same dtype as the buffer), or null;
+                                // written only with do_copy (else: nosa_write_tokens after the copy)
+    int64_t dump_row,
+    int64_t* counts,            // [7]: steps, selected, hits, misses, warm_selected, warm_hits, prefetch_hits
+    int64_t* max_warm_misses,   // [1]
+    int64_t* group_misses,      // [G+1]
+    int64_t do_copy,
+    int64_t* out_item,          // [R, H, W] device item of each wanted block, -1 where none
+    int64_t* out_rows,          // [R, H, W*B] buffer rows (item * B + offset; 0 where none)
+    uint8_t* out_valid,         // [R, H, W*B]
+    int32_t* out_fill,          // [R, H, W] tokens of each block before the sequence's end
+    int64_t* miss_dst,          // [R*H*W] demand misses: device item, host item
+    int64_t* miss_src) {
+    // the slot maps of the step's groups as they were before (rows may share the spare group)
+    std::vector<int64_t> before(R * H * NS);
+    for (int64_t r = 0; r < R; ++r)
+        std::memcpy(&before[r * H * NS], blocks + groups[r] * H * NS, sizeof(int64_t) * H * NS);
+    std::vector<int64_t> slot_of(W), order(NS);
+    std::vector<uint8_t> keep(NS), hit(W), offer(NS);
+    int64_t misses_total = 0, miss_counted = 0, sel_total = 0, hit_total = 0, warm_sel = 0, warm_hit = 0;
+    int64_t worst_warm = 0;
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t g = groups[r];
+        const bool counted = real == nullptr || real[r];
+        const bool is_warm = counted && warm[r];
+        const int64_t* col_row = col_of + g * NS;
+        int64_t row_misses = 0;
+        for (int64_t h = 0; h < H; ++h) {
+            const int64_t* cur = &before[(r * H + h) * NS];
+            const int64_t* want = wanted + (r * H + h) * W;
+            std::fill(keep.begin(), keep.end(), 0);
+            int64_t n_sel = 0, n_hit = 0, n_miss = 0;
+            for (int64_t w = 0; w < W; ++w) {
+                hit[w] = 0;
+                if (want[w] < 0) continue;
+                ++n_sel;
+                for (int64_t s = 0; s < NS; ++s) {
+                    if (cur[s] == want[w]) {
+                        if (!hit[w]) slot_of[w] = s;
+                        hit[w] = 1;
+                        keep[s] = 1;
+                    }
+                }
+                n_hit += hit[w];
+            }
+            // slots in the order misses take them: empty, stale, kept, no column (stable)
+            for (int64_t s = 0; s < NS; ++s)
+                offer[s] = col_row[s] < 0 ? 3 : keep[s] ? 2 : cur[s] >= 0 ? 1 : 0;
+            int64_t k = 0;
+            for (uint8_t kind = 0; kind < 4; ++kind)
+                for (int64_t s = 0; s < NS; ++s)
+                    if (offer[s] == kind) order[k++] = s;
+            int64_t* map = blocks + (g * H + h) * NS;
+            for (int64_t w = 0; w < W; ++w) {
+                if (want[w] < 0 || hit[w]) continue;
+                const int64_t s = order[n_miss++];
+                slot_of[w] = s;
+                map[s] = want[w];
+            }
+            // items, the demand list, the rows attention reads
+            const int64_t len = lengths[r];
+            for (int64_t w = 0; w < W; ++w) {
+                const int64_t o = (r * H + h) * W + w;
+                int64_t* rows = out_rows + o * B;
+                uint8_t* valid = out_valid + o * B;
+                if (want[w] < 0) {
+                    out_item[o] = -1;
+                    out_fill[o] = 0;
+                    for (int64_t t = 0; t < B; ++t) rows[t] = t, valid[t] = 0;
+                    continue;
+                }
+                const int64_t item = item_of(col_row, slot_of[w], h, H, home);
+                out_item[o] = item;
+                const int64_t start = want[w] * B;
+                out_fill[o] = (int32_t)std::min<int64_t>(B, std::max<int64_t>(0, len - start));
+                for (int64_t t = 0; t < B; ++t) rows[t] = item * B + t, valid[t] = start + t < len;
+                if (!hit[w]) {
+                    miss_dst[misses_total] = item;
+                    miss_src[misses_total] = pages[o] * H + h;
+                    ++misses_total;
+                }
+            }
+            if (counted) {
+                sel_total += n_sel;
+                hit_total += n_hit;
+                row_misses += n_miss;
+                miss_counted += n_miss;
+                if (is_warm) {
+                    warm_sel += n_sel;
+                    warm_hit += n_hit;
+                    worst_warm = std::max(worst_warm, n_miss);
+                }
+            }
+        }
+        if (counted) group_misses[g] += row_misses;
+    }
+    const int64_t M = misses_total;
+    for (int64_t m = M; m < R * H * W; ++m) miss_dst[m] = miss_src[m] = -1;
+    if (do_copy) {
+        for (int64_t b = 0; b < nbufs; ++b)
+            for (int64_t m = 0; m < M; ++m)
+                std::memcpy(dev[b] + miss_dst[m] * item_bytes[b], host[b] + miss_src[m] * item_bytes[b],
+                            item_bytes[b]);
+        if (new_tok != nullptr)
+            nosa_write_tokens(R, H, W, B, wanted, lengths, out_item, nbufs, dev, item_bytes, new_tok, dump_row);
+    }
+    counts[0] += 1;
+    counts[1] += sel_total;
+    counts[2] += hit_total;
+    counts[3] += miss_counted;  // every miss is a demand miss here (no prefetch)
+    counts[4] += warm_sel;
+    counts[5] += warm_hit;
+    max_warm_misses[0] = std::max(max_warm_misses[0], worst_warm);
+    return M;
+}
+
+}  // extern "C"
