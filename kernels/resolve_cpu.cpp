@@ -36,6 +36,16 @@ inline int64_t item_of(const int64_t* col_of_row, int64_t slot, int64_t h, int64
 
 extern "C" {
 
+// Item src_idx[m] -> dst_idx[m] of every buffer pair where src_idx[m] >= 0 (nosa.ops.copy_items on
+// CPU: the recall, the scheduler's demand and prefetch copies, a prefill's block gather).
+void nosa_copy_items(int64_t nbufs, char* const* dst, char* const* src, const int64_t* item_bytes, int64_t M,
+                     const int64_t* dst_idx, const int64_t* src_idx) {
+    for (int64_t b = 0; b < nbufs; ++b)
+        for (int64_t m = 0; m < M; ++m)
+            if (src_idx[m] >= 0)
+                std::memcpy(dst[b] + dst_idx[m] * item_bytes[b], src[b] + src_idx[m] * item_bytes[b], item_bytes[b]);
+}
+
 // Each request's new token into its tail block's slot (write-through; after the recall, which
 // would overwrite it): item [R, H, W] from nosa_resolve_layer; the dump row where the tail block is
 // not wanted, e.g. a padding row's.
@@ -66,7 +76,10 @@ int64_t nosa_resolve_layer(
     const int64_t* col_of,      // [G+1, NS] slot -> physical column (-1: none)
     const int64_t* groups,      // [R]
     const int64_t* wanted,      // [R, H, W] block ids, -1 padded
-    const int64_t* pages,       // [R, H, W] host page of each wanted block
+    const int64_t* pages,       // [R, H, W] host page of each wanted block, or null: looked up in
+    const int32_t* req_to_token,  // [rows, rtt_stride] SGLang's token slots of each request row
+    int64_t rtt_stride,
+    const int64_t* table_rows,  // [R] the request rows (page = slot of the block's first token / B)
     const int64_t* lengths,     // [R] context lengths (the new token included)
     const uint8_t* warm,        // [R]
     const uint8_t* real,        // [R], or null: every row counts
@@ -86,7 +99,8 @@ int64_t nosa_resolve_layer(
     uint8_t* out_valid,         // [R, H, W*B]
     int32_t* out_fill,          // [R, H, W] tokens of each block before the sequence's end
     int64_t* miss_dst,          // [R*H*W] demand misses: device item, host item
-    int64_t* miss_src) {
+    int64_t* miss_src,
+    int64_t* empty_out) {       // [1]: slots with a column but no block left in the counted rows' groups
     // the slot maps of the step's groups as they were before (rows may share the spare group)
     std::vector<int64_t> before(R * H * NS);
     for (int64_t r = 0; r < R; ++r)
@@ -94,7 +108,7 @@ int64_t nosa_resolve_layer(
     std::vector<int64_t> slot_of(W), order(NS);
     std::vector<uint8_t> keep(NS), hit(W), offer(NS);
     int64_t misses_total = 0, miss_counted = 0, sel_total = 0, hit_total = 0, warm_sel = 0, warm_hit = 0;
-    int64_t worst_warm = 0;
+    int64_t worst_warm = 0, empty = 0;
     for (int64_t r = 0; r < R; ++r) {
         const int64_t g = groups[r];
         const bool counted = real == nullptr || real[r];
@@ -152,11 +166,14 @@ int64_t nosa_resolve_layer(
                 for (int64_t t = 0; t < B; ++t) rows[t] = item * B + t, valid[t] = start + t < len;
                 if (!hit[w]) {
                     miss_dst[misses_total] = item;
-                    miss_src[misses_total] = pages[o] * H + h;
+                    const int64_t page = pages != nullptr ? pages[o]
+                                                          : req_to_token[table_rows[r] * rtt_stride + start] / B;
+                    miss_src[misses_total] = page * H + h;
                     ++misses_total;
                 }
             }
             if (counted) {
+                for (int64_t s = 0; s < NS; ++s) empty += col_row[s] >= 0 && map[s] < 0;
                 sel_total += n_sel;
                 hit_total += n_hit;
                 row_misses += n_miss;
@@ -173,10 +190,7 @@ int64_t nosa_resolve_layer(
     const int64_t M = misses_total;
     for (int64_t m = M; m < R * H * W; ++m) miss_dst[m] = miss_src[m] = -1;
     if (do_copy) {
-        for (int64_t b = 0; b < nbufs; ++b)
-            for (int64_t m = 0; m < M; ++m)
-                std::memcpy(dev[b] + miss_dst[m] * item_bytes[b], host[b] + miss_src[m] * item_bytes[b],
-                            item_bytes[b]);
+        nosa_copy_items(nbufs, dev, host, item_bytes, M, miss_dst, miss_src);
         if (new_tok != nullptr)
             nosa_write_tokens(R, H, W, B, wanted, lengths, out_item, nbufs, dev, item_bytes, new_tok, dump_row);
     }
@@ -187,6 +201,7 @@ int64_t nosa_resolve_layer(
     counts[4] += warm_sel;
     counts[5] += warm_hit;
     max_warm_misses[0] = std::max(max_warm_misses[0], worst_warm);
+    empty_out[0] = empty;
     return M;
 }
 

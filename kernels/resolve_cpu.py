@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -30,10 +30,16 @@ _LOCK = threading.Lock()
 _STATE: dict = {}  # "lib": the loaded library, or "error": why it could not be built
 
 
+class _Table(NamedTuple):  # the fields of nosa.serve.offload.block_cache.PageTable
+    req_to_token: torch.Tensor
+    rows: torch.Tensor
+
+
 class Resolved(NamedTuple):
     """What the kernel returns besides its in-place updates: item [R, Hkv, W] (-1 where nothing is
     wanted), rows [R, Hkv, W*B], valid [R, Hkv, W*B], fill [R, Hkv, W] int32, and the demand
-    misses' device / host items miss_dst, miss_src [M] (already copied unless asked not to)."""
+    misses' device / host items miss_dst, miss_src [M] (already copied unless asked not to); empty:
+    slots with a column but no block in the counted rows' groups, after the call."""
 
     item: torch.Tensor
     rows: torch.Tensor
@@ -41,6 +47,7 @@ class Resolved(NamedTuple):
     fill: torch.Tensor
     miss_dst: torch.Tensor
     miss_src: torch.Tensor
+    empty: int
 
 
 def cache_dir() -> Path:
@@ -83,11 +90,15 @@ def library():
                 lib = ctypes.CDLL(str(build()))
                 fn = lib.nosa_resolve_layer
                 fn.restype = ctypes.c_int64
-                fn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 8 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 \
-                    + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 6
+                fn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 6 + [ctypes.c_int64] \
+                    + [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] \
+                    + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 7
                 lib.nosa_write_tokens.restype = None
                 lib.nosa_write_tokens.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] \
                     + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+                lib.nosa_copy_items.restype = None
+                lib.nosa_copy_items.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] \
+                    + [ctypes.c_void_p] * 2
                 _STATE["lib"] = lib
             except (OSError, RuntimeError) as exc:
                 _STATE["error"] = str(exc)
@@ -95,12 +106,17 @@ def library():
     return _STATE.get("lib")
 
 
+@torch.compiler.assume_constant_result
+def _ready() -> bool:
+    """``NOSA_KERNELS`` unset or ``auto`` and the kernel built (a constant to torch.compile)."""
+    return (os.environ.get("NOSA_KERNELS") or "auto") == "auto" and library() is not None
+
+
 def wanted_here(*tensors: torch.Tensor) -> bool:
     """Whether a resolve over ``tensors`` runs this kernel: all on the CPU, ``NOSA_KERNELS`` unset or
-    ``auto``, not inside torch.compile, and the kernel built."""
-    if (os.environ.get("NOSA_KERNELS") or "auto") != "auto" or torch.compiler.is_compiling():
-        return False
-    return all(t.device.type == "cpu" for t in tensors) and library() is not None
+    ``auto``, and the kernel built. Inside torch.compile (SGLang's CPU graph runner) it runs as the
+    operator ``torch.ops.nosa.resolve_layer``."""
+    return all(t.device.type == "cpu" for t in tensors) and _ready()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -111,8 +127,28 @@ def _pointers(tensors) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+_BUFFERS: dict[tuple, tuple] = {}
+
+
+def _buffers(tensors) -> tuple[ctypes.Array, torch.Tensor]:
+    """(pointer array, bytes per item [n] int64) of item buffers, kept per set of buffers (a layer's
+    device cache and host pool are the same every step)."""
+    key = tuple((t.data_ptr(), t.shape, t.dtype) for t in tensors)
+    found = _BUFFERS.get(key)
+    if found is None:
+        if len(_BUFFERS) > 4096:
+            _BUFFERS.clear()
+        found = _BUFFERS[key] = (_pointers(tensors),
+                                 torch.tensor([t[0].numel() * t.element_size() for t in tensors], dtype=torch.long))
+    return found
+
+
 def resolve_layer(blocks: torch.Tensor, col_of: torch.Tensor, groups: torch.Tensor, wanted: torch.Tensor,
-                  pages: torch.Tensor, lengths: torch.Tensor, warm: torch.Tensor, real: torch.Tensor | None,
+                  pages, lengths: torch.Tensor, warm: torch.Tensor, real: torch.Tensor | None,
                   dev: list[torch.Tensor], host: list[torch.Tensor], new_tokens: list[torch.Tensor] | None,
                   dump_row: int, counts: torch.Tensor, max_warm_misses: torch.Tensor, group_misses: torch.Tensor,
                   home: int, copy: bool = True) -> Resolved:
@@ -120,7 +156,9 @@ def resolve_layer(blocks: torch.Tensor, col_of: torch.Tensor, groups: torch.Tens
     the device item buffers ``dev`` (k [S, B, D], v, cis [S, B]: the recall and the write-through of
     ``new_tokens``, [R, Hkv, ...] each in its buffer's dtype; with ``copy`` False, neither: the caller
     copies ``miss_dst`` / ``miss_src``, then calls ``write_tokens``), counts [7],
-    max_warm_misses [] and group_misses [G+1]. Index tensors are int64, warm / real bool."""
+    max_warm_misses [] and group_misses [G+1]. Index tensors are int64, warm / real bool. ``pages``:
+    the host page of each wanted block [R, Hkv, W], or a table to look them up in
+    (nosa.serve.offload.block_cache.PageTable: req_to_token int32 [rows, max_ctx], rows [R])."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"nosa: the CPU resolve kernel is unavailable: {_STATE.get('error')}")
@@ -128,33 +166,68 @@ def resolve_layer(blocks: torch.Tensor, col_of: torch.Tensor, groups: torch.Tens
     ns, block = blocks.shape[-1], dev[0].shape[1]
     if w > ns:
         raise ValueError(f"resolve_layer: {w} wanted blocks per KV head but {ns} slots")
-    mutated = [blocks, counts, max_warm_misses, group_misses, *dev, *host]
-    if not all(t.is_contiguous() for t in mutated):
-        raise ValueError("resolve_layer: the slot map, counters and item buffers must be contiguous")
-    if any(d.dtype != h.dtype or d.shape[1:] != h.shape[1:] for d, h in zip(dev, host)):
-        raise ValueError("resolve_layer: device and host item buffers differ in dtype or item shape")
-    wanted, pages = wanted.contiguous(), pages.contiguous()
-    groups, lengths, col_of = groups.contiguous(), lengths.contiguous(), col_of.contiguous()
-    warm = warm.contiguous()
-    real = None if real is None else real.contiguous()
+    if not (blocks.is_contiguous() and counts.is_contiguous() and max_warm_misses.is_contiguous()
+            and group_misses.is_contiguous()):
+        raise ValueError("resolve_layer: the slot map and the counters must be contiguous")
+    dev_ptrs, host_ptrs, item_bytes = _pair(dev, host)
+    wanted = _dense(wanted)
+    table = table_rows = None
+    if isinstance(pages, torch.Tensor):
+        pages = _dense(pages)
+    else:
+        table, table_rows, pages = pages.req_to_token, _dense(pages.rows), None
+        if table.dtype != torch.int32 or not table.is_contiguous():
+            raise ValueError(f"resolve_layer: req_to_token must be a contiguous int32 table, got {table.dtype}")
+    groups, lengths, col_of, warm = _dense(groups), _dense(lengths), _dense(col_of), _dense(warm)
+    real = None if real is None else _dense(real)
     item = torch.empty(r, hkv, w, dtype=torch.long)
     rows = torch.empty(r, hkv, w * block, dtype=torch.long)
     valid = torch.empty(r, hkv, w * block, dtype=torch.bool)
     fill = torch.empty(r, hkv, w, dtype=torch.int32)
     miss_dst = torch.empty(r * hkv * w, dtype=torch.long)
     miss_src = torch.empty(r * hkv * w, dtype=torch.long)
-    item_bytes = torch.tensor([t[0].numel() * t.element_size() for t in dev], dtype=torch.long)
+    empty = ctypes.c_int64(0)
     if new_tokens is not None:
-        new_tokens = [t.contiguous() for t in new_tokens]
+        new_tokens = [_dense(t) for t in new_tokens]
     m = lib.nosa_resolve_layer(
         r, hkv, ns, w, block, home,
-        blocks.data_ptr(), col_of.data_ptr(), groups.data_ptr(), wanted.data_ptr(), pages.data_ptr(),
-        lengths.data_ptr(), warm.data_ptr(), _ptr(real),
-        len(dev), _pointers(dev), _pointers(host), item_bytes.data_ptr(),
+        blocks.data_ptr(), col_of.data_ptr(), groups.data_ptr(), wanted.data_ptr(), _ptr(pages), _ptr(table),
+        0 if table is None else table.shape[1], _ptr(table_rows), lengths.data_ptr(), warm.data_ptr(), _ptr(real),
+        len(dev), dev_ptrs, host_ptrs, item_bytes.data_ptr(),
         None if new_tokens is None or not copy else _pointers(new_tokens),
         dump_row, counts.data_ptr(), max_warm_misses.data_ptr(), group_misses.data_ptr(), int(copy),
-        item.data_ptr(), rows.data_ptr(), valid.data_ptr(), fill.data_ptr(), miss_dst.data_ptr(), miss_src.data_ptr())
-    return Resolved(item, rows, valid, fill, miss_dst[:m], miss_src[:m])
+        item.data_ptr(), rows.data_ptr(), valid.data_ptr(), fill.data_ptr(), miss_dst.data_ptr(), miss_src.data_ptr(),
+        ctypes.addressof(empty))
+    return Resolved(item, rows, valid, fill, miss_dst[:m], miss_src[:m], empty.value)
+
+
+def _pair(dev: list[torch.Tensor], host: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array, torch.Tensor]:
+    """(device pointers, host pointers, bytes per item) of matching item buffers, checked the first
+    time a pair is seen (contiguous, the same dtype and item shape)."""
+    key = (len(dev), *((t.data_ptr(), t.shape, t.dtype) for t in (*dev, *host)))
+    found = _PAIRS.get(key)
+    if found is None:
+        if not all(t.is_contiguous() for t in (*dev, *host)):
+            raise ValueError("resolve_layer: the item buffers must be contiguous")
+        if len(dev) != len(host) or any(d.dtype != h.dtype or d.shape[1:] != h.shape[1:] for d, h in zip(dev, host)):
+            raise ValueError("resolve_layer: device and host item buffers differ in dtype or item shape")
+        if len(_PAIRS) > 4096:
+            _PAIRS.clear()
+        dev_ptrs, item_bytes = _buffers(dev)
+        found = _PAIRS[key] = (dev_ptrs, _buffers(host)[0], item_bytes)
+    return found
+
+
+_PAIRS: dict[tuple, tuple] = {}
+
+
+def copy_items(dst: list[torch.Tensor], src: list[torch.Tensor], dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
+    """nosa.ops.copy_items for CPU tensors (checked by the caller: contiguous, matching items, int64
+    index lists): one memcpy per item and buffer, entries with src_idx < 0 left out."""
+    dst_ptrs, item_bytes = _buffers(dst)
+    dst_idx, src_idx = dst_idx.contiguous(), src_idx.contiguous()
+    library().nosa_copy_items(len(dst), dst_ptrs, _buffers(src)[0], item_bytes.data_ptr(), dst_idx.numel(),
+                              dst_idx.data_ptr(), src_idx.data_ptr())
 
 
 def write_tokens(wanted: torch.Tensor, lengths: torch.Tensor, item: torch.Tensor, dev: list[torch.Tensor],
@@ -163,7 +236,35 @@ def write_tokens(wanted: torch.Tensor, lengths: torch.Tensor, item: torch.Tensor
     call; the write-through ``resolve_layer`` does itself when it copies)."""
     r, hkv, w = wanted.shape
     new_tokens = [t.contiguous() for t in new_tokens]
-    item_bytes = torch.tensor([t[0].numel() * t.element_size() for t in dev], dtype=torch.long)
+    dev_ptrs, item_bytes = _buffers(dev)
     library().nosa_write_tokens(r, hkv, w, dev[0].shape[1], wanted.contiguous().data_ptr(),
-                                lengths.contiguous().data_ptr(), item.data_ptr(), len(dev), _pointers(dev),
+                                lengths.contiguous().data_ptr(), item.data_ptr(), len(dev), dev_ptrs,
                                 item_bytes.data_ptr(), _pointers(new_tokens), dump_row)
+
+
+@torch.library.custom_op("nosa::resolve_layer", mutates_args=("blocks", "dev", "counts", "max_warm_misses",
+                                                              "group_misses"))
+def resolve_layer_op(blocks: torch.Tensor, col_of: torch.Tensor, groups: torch.Tensor, wanted: torch.Tensor,
+                     pages: Optional[torch.Tensor], req_to_token: Optional[torch.Tensor],
+                     table_rows: Optional[torch.Tensor], lengths: torch.Tensor, warm: torch.Tensor,
+                     real: Optional[torch.Tensor],
+                     dev: list[torch.Tensor], host: list[torch.Tensor], new_tokens: list[torch.Tensor],
+                     dump_row: int, counts: torch.Tensor, max_warm_misses: torch.Tensor, group_misses: torch.Tensor,
+                     home: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``resolve_layer`` (copying) as one operator, so that a compiled decode step keeps it whole:
+    (item, rows, valid, fill). ``new_tokens``: [] for none; ``pages`` None: looked up in
+    ``req_to_token`` at ``table_rows``."""
+    if pages is None:
+        pages = _Table(req_to_token, table_rows)
+    done = resolve_layer(blocks, col_of, groups, wanted, pages, lengths, warm, real, dev, host, new_tokens or None,
+                         dump_row, counts, max_warm_misses, group_misses, home)
+    return done.item, done.rows, done.valid, done.fill
+
+
+@resolve_layer_op.register_fake
+def _(blocks, col_of, groups, wanted, pages, req_to_token, table_rows, lengths, warm, real, dev, host, new_tokens,
+      dump_row, counts, max_warm_misses, group_misses, home):
+    r, hkv, w = wanted.shape
+    block = dev[0].shape[1]
+    return (wanted.new_empty(r, hkv, w), wanted.new_empty(r, hkv, w * block),
+            wanted.new_empty(r, hkv, w * block, dtype=torch.bool), wanted.new_empty(r, hkv, w, dtype=torch.int32))

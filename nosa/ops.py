@@ -88,6 +88,14 @@ def _copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_id
     if any(t.is_cuda for t in (*dst, *src)):  # NOSA_KERNELS=reference on a GPU
         recall.copy_items_reference(dst, src, dst_idx, src_idx)
         return
+    from nosa.kernels import resolve_cpu
+
+    if resolve_cpu.wanted_here(*dst, *src, dst_idx, src_idx):  # one memcpy per item (the CPU kernel)
+        recall.check(dst, src, dst_idx, src_idx)
+        if recall.debug_checks():
+            recall.check_bounds(dst, src, dst_idx, src_idx)
+        resolve_cpu.copy_items(list(dst), list(src), dst_idx, src_idx)
+        return
     # one copier (staging buffers) per item layout and thread: staging must not be shared by two calls
     key = (threading.get_ident(), *((tuple(t.shape[1:]), t.dtype) for t in dst))
     copier = _COPIERS.get(key)

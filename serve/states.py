@@ -82,7 +82,7 @@ class RequestStates:
             self._write_stats()  # file may carry the offloading timeline, nosa.serve.offload.stats)
         return True
 
-    def counts(self) -> dict:
+    def counts(self, timeline: bool = True) -> dict:
         with self._lock:
             counts = {
                 "requests": len(self._rows),
@@ -90,7 +90,7 @@ class RequestStates:
                 "freed_total": self.freed_total,
             }
         if self.offload is not None:
-            counts.update(self.offload.counters())
+            counts.update(self.offload.counters(timeline))
         return counts
 
     # ---- ReqToTokenPool aux-cache protocol ---------------------------------------------------
@@ -133,6 +133,9 @@ class RequestStates:
         if not self._stats_file:
             return
         tmp = f"{self._stats_file}.{os.getpid()}.tmp"
+        text = json.dumps(self.counts(timeline=False))
+        if self.offload is not None:  # the step timeline, its records encoded once each when logged
+            text = f'{text[:-1]}, "timeline": {self.offload.stats.snapshot_json()}}}'
         with open(tmp, "w") as f:
-            json.dump(self.counts(), f)
+            f.write(text)
         os.replace(tmp, self._stats_file)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nosa import ops
+from nosa.kernels import resolve_cpu
 from nosa.kernels.recall import ItemCopier, copy_items_reference, copy_items_triton, item_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,16 +47,24 @@ def indices(num_src, num_dst, m, pad, seed):
 
 
 COPIES = {"cpu": lambda dst, src, d, s: copy_items_reference(dst, src, d, s) if DEVICE == "cpu" else None,
-          "triton": copy_items_triton}
+          "triton": copy_items_triton,
+          # the C++ memcpy loop (kernels/resolve_cpu.cpp) that ops.copy_items runs on CPU
+          "cpu_kernel": lambda dst, src, d, s: resolve_cpu.copy_items(list(dst), list(src), d, s)}
+
+
+def _skip_off_device(impl):
+    if impl.startswith("cpu") and DEVICE == "cuda":
+        pytest.skip("the CPU path runs on CPU tensors")
+    if impl == "cpu_kernel" and resolve_cpu.library() is None:
+        pytest.skip("no C++ compiler: the CPU kernel cannot build")
 SHAPES = [(6, 2, 16, 8, 10, 7, 2), (5, 3, 64, 32, 12, 12, 0), (6, 1, 8, 3, 5, 5, 5)]  # P, Hkv, B, D, S, M, pad
 
 
-@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "cpu_kernel", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_recall_matches_loop(impl, dtype, shape):
-    if impl == "cpu" and DEVICE == "cuda":
-        pytest.skip("the CPU path runs on CPU tensors")
+    _skip_off_device(impl)
     pages, hkv, block, d, slots, m, pad = shape
     host, dev = pools(pages, hkv, block, d, slots, dtype)
     dst_idx, src_idx = indices(pages * hkv, slots, m, pad, seed=m)
@@ -66,11 +75,10 @@ def test_recall_matches_loop(impl, dtype, shape):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("impl", ["cpu", "triton"])
+@pytest.mark.parametrize("impl", ["cpu", "cpu_kernel", "triton"])
 def test_write_back_to_host(impl):
     """Completed blocks go device -> host through the same call (dst = host items)."""
-    if impl == "cpu" and DEVICE == "cuda":
-        pytest.skip("the CPU path runs on CPU tensors")
+    _skip_off_device(impl)
     host, dev = pools(4, 2, 16, 8, 6, torch.bfloat16, seed=1)
     for t in dev:
         t.normal_()
@@ -84,7 +92,8 @@ def test_write_back_to_host(impl):
 
 
 def test_dispatch_and_item_views():
-    """ops.copy_items keeps one staging copier per layout; items are moved as wide integers."""
+    """ops.copy_items (on CPU the C++ kernel, else one staging copier per layout); the copier moves
+    items as wide integers."""
     host, dev = pools(3, 2, 16, 8, 4, torch.bfloat16)
     assert item_rows(dev[0]).dtype == torch.int64
     assert item_rows(torch.zeros(4, 3, dtype=torch.uint8)).dtype == torch.uint8

@@ -78,6 +78,26 @@ class NewTokens(NamedTuple):
     cis: torch.Tensor
 
 
+class PageTable(NamedTuple):
+    """Where a step's blocks live in the host pool, looked up where they are needed (the CPU kernel
+    reads the table itself): SGLang's req_to_token [rows, max_ctx] (int32) and the step's table rows [R]."""
+
+    req_to_token: torch.Tensor
+    rows: torch.Tensor
+
+    def pages(self, blocks: torch.Tensor, block: int) -> torch.Tensor:
+        return host_pages(self.req_to_token, self.rows, blocks, block)
+
+
+def host_pages(req_to_token: torch.Tensor, table_rows: torch.Tensor, blocks: torch.Tensor, block: int) -> torch.Tensor:
+    """Host page of each block [R, Hkv, W] of the requests at ``req_to_token`` rows ``table_rows`` [R]
+    (the page of the block's first token; -1 blocks -> -1)."""
+    first_token = blocks.clamp(min=0).to(req_to_token.device) * block
+    where = table_rows.to(req_to_token.device)[:, None, None] * req_to_token.shape[1] + first_token
+    first = req_to_token.reshape(-1).index_select(0, where.flatten()).view(blocks.shape).long()
+    return torch.where(blocks >= 0, first.to(blocks.device) // block, -1)
+
+
 class Loan(NamedTuple):
     """A column lent to another group as one of its extra slots."""
 
@@ -119,8 +139,10 @@ class DeviceBlockCache:
         self.k = [torch.zeros(items, block_size, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(items, block_size, v_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.cis = [torch.zeros(items, block_size, dtype=torch.float32, device=device) for _ in range(num_layers)]
-        self.blocks = [torch.full((stored, num_kv_heads, slots_per_head), -1, dtype=torch.long, device=device)
-                       for _ in range(num_layers)]
+        # the slot maps of every layer in one tensor (resident_slots reads it in one op); blocks[layer] its views
+        self.slot_map = torch.full((num_layers, stored, num_kv_heads, slots_per_head), -1, dtype=torch.long,
+                                   device=device)
+        self.blocks = list(self.slot_map.unbind(0))
         # tokens of each group's sequence reflected in its resident blocks, per layer
         self.synced = [[0] * num_groups for _ in range(num_layers)]
         self.warm = [[False] * num_groups for _ in range(num_layers)]
@@ -129,6 +151,10 @@ class DeviceBlockCache:
         self.prefetched = [torch.zeros(stored, num_kv_heads, slots_per_head, dtype=torch.bool, device=device)
                            for _ in range(num_layers)]
         self.pending: dict[int, PendingPrefetch] = {}  # layer -> its prefetch in flight
+        self.landed = [False] * num_layers  # a claimed prefetch landed items not yet resolved (host side)
+        # per layer, groups known to have no empty usable slot (the CPU kernel says so after a resolve;
+        # whatever frees a slot forgets the group): may_prefetch needs no tensor work for them
+        self.full: list[set[int]] = [set() for _ in range(num_layers)]
         # warm_*: steps whose group decoded at the previous step too (the cache is in steady state)
         # prefetched: items a prefetch landed; prefetch_hits: wanted blocks resident thanks to one
         # counters a step adds on the device (``_count``; COUNT_KEYS), and those the host side keeps
@@ -159,6 +185,7 @@ class DeviceBlockCache:
                     self.prefetched[layer][group] = False
                     self.synced[layer][group] = 0
                     self.warm[layer][group] = False
+                    self.full[layer].discard(group)
                 self.active.discard(group)
                 for j in range(self.home, self.ns):  # borrowed columns go back
                     self._revoke(group, j)
@@ -190,6 +217,8 @@ class DeviceBlockCache:
                         p = free.pop(0)
                         self.col_of[g, j] = p
                         self.lent[p] = Loan(g, j)
+                        for full in self.full:  # an empty usable slot now
+                            full.discard(g)
             return {g: int((self.col_of[g, self.home:] >= 0).sum()) for g in grants}
 
     def free_columns(self) -> int:
@@ -204,7 +233,7 @@ class DeviceBlockCache:
         for layer in range(len(self.blocks)):
             self.blocks[layer][g, :, j] = -1
             self.prefetched[layer][g, :, j] = False
-        self.col_of[g, j] = -1
+        self.col_of[g, j] = -1  # the slot has no column: the group stays as full as it was
         self.lent.pop(p, None)
 
     def _items(self, groups: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -218,6 +247,7 @@ class DeviceBlockCache:
         if self.synced[layer][g] < fresh:
             row_blocks = self.blocks[layer][g]
             row_blocks[row_blocks >= self.synced[layer][g] // self.block] = -1
+            self.full[layer].discard(g)
             self.synced[layer][g] = fresh
             self.warm[layer][g] = False
             return True
@@ -231,8 +261,11 @@ class DeviceBlockCache:
         if self.scheduler is None:
             return False
         with self._lock:
-            if any(self.synced[layer][g] < n - 1 for g, n in zip(groups.tolist(), lengths)):
+            listed = groups.tolist()
+            if any(self.synced[layer][g] < n - 1 for g, n in zip(listed, lengths)):
                 return True
+            if all(g in self.full[layer] for g in listed):
+                return False
             usable = (self.col_of.index_select(0, groups) >= 0)[:, None, :]
             return bool(((self.blocks[layer].index_select(0, groups) < 0) & usable).any())
 
@@ -286,7 +319,9 @@ class DeviceBlockCache:
         blocks = self.blocks[layer]
         if landed < g_of.numel():
             blocks[g_of[landed:], h_of[landed:], s_of[landed:]] = -1
+            self.full[layer].clear()  # (a prefetch only ever fills empty slots, so none were full)
         self.prefetched[layer][g_of[:landed], h_of[:landed], s_of[:landed]] = True
+        self.landed[layer] = self.landed[layer] or landed > 0
         self.host_stats["prefetched"][layer] += landed
         self.host_stats["prefetch_dropped"][layer] += int(g_of.numel()) - landed
 
@@ -295,7 +330,7 @@ class DeviceBlockCache:
             self.release(row)
 
     def resident_slots(self) -> int:
-        return int(sum(int((b[: self.groups] >= 0).sum()) for b in self.blocks))
+        return int((self.slot_map[:, : self.groups] >= 0).sum())
 
     def begin_decode(self, groups: list[int], lengths: list[int]) -> list[bool]:
         """A decode step of groups ``groups`` with contexts ``lengths`` (the new token included) is
@@ -345,12 +380,15 @@ class DeviceBlockCache:
         rest dropped); [R, Hkv, NS] the slots of ``groups`` it landed, or None when it landed none."""
         with self._lock:
             self._settle(layer)
+            if not self.landed[layer]:  # nothing flagged since the last claim (steady state): no tensor work
+                return None
             prefetched = self.prefetched[layer].index_select(0, groups)  # [R, Hkv, NS]
             self.prefetched[layer].index_fill_(0, groups, False)
+            self.landed[layer] = bool(self.prefetched[layer].any())  # other groups' flags, if any, wait
         return prefetched if bool(prefetched.any()) else None
 
     def resolve_step(self, layer: int, groups: torch.Tensor, wanted: torch.Tensor, lengths: torch.Tensor,
-                     pages: torch.Tensor, host_items, new_tokens: NewTokens | None, warm: torch.Tensor,
+                     pages, host_items, new_tokens: NewTokens | None, warm: torch.Tensor,
                      real: torch.Tensor | None = None, prefetched: torch.Tensor | None = None) -> DeviceRows:
         """The device side of ``resolve``, shape-static and without host synchronisation (a decode
         step that may be captured): the slot diff, one batched recall (index lists of the fixed
@@ -358,9 +396,10 @@ class DeviceBlockCache:
         warm one at most query_blocks + 1 per KV head when the eviction heads are on), the
         write-through of the new tokens and the counters, kept on the device.
 
-        lengths [R] long; warm [R] bool (counters); real [R] bool, False for padding rows (their
-        group is the spare group; counted nowhere). ``prefetched`` [R, Hkv, NS]: slots a prefetch
-        landed (host side only: ``resolve`` passes it).
+        pages: [R, Hkv, W] host pages, or the PageTable to look them up in; lengths [R] long; warm
+        [R] bool (counters); real [R] bool, False for padding rows (their group is the spare group;
+        counted nowhere). ``prefetched`` [R, Hkv, NS]: slots a prefetch landed (host side only:
+        ``resolve`` passes it).
 
         On a CPU server (no prefetch to place) the same step runs as one fused kernel,
         nosa.kernels.resolve_cpu; this torch code is its spec."""
@@ -369,6 +408,8 @@ class DeviceBlockCache:
 
         if prefetched is None and resolve_cpu.wanted_here(wanted, self.k[layer]):
             return self._resolve_fused(layer, groups, wanted, lengths, pages, host_items, new_tokens, warm, real)
+        if isinstance(pages, PageTable):
+            pages = pages.pages(wanted, self.block)
         blocks = self.blocks[layer]
         current = blocks.index_select(0, groups)  # [R, Hkv, NS]
         # The diff runs as if no prefetch had happened (prefetched slots count as empty), so the
@@ -448,12 +489,23 @@ class DeviceBlockCache:
         new = None
         if new_tokens is not None:
             new = [t.to(b.dtype) for t, b in zip(new_tokens, bufs)]
-        by_scheduler = self.scheduler is not None and not captured()
+        if captured():  # a compiled step (SGLang's CPU graph runner): the kernel as one operator
+            table = pages if isinstance(pages, PageTable) else PageTable(None, None)
+            item, rows, valid, fill = resolve_cpu.resolve_layer_op(
+                self.blocks[layer], self.col_of, groups, wanted, None if table.rows is not None else pages,
+                table.req_to_token, table.rows, lengths, warm, real, bufs, list(host_items),
+                new or [], self.dump_row, self.counts[layer], self.max_warm_misses[layer], self.group_misses, self.home)
+            return DeviceRows(bufs[0].view(-1, bufs[0].shape[-1]), bufs[1].view(-1, bufs[1].shape[-1]),
+                              bufs[2].view(-1), rows, valid, items=tuple(bufs), slots=item, fill=fill)
+        by_scheduler = self.scheduler is not None
         start = time.perf_counter()
         done = resolve_cpu.resolve_layer(self.blocks[layer], self.col_of, groups, wanted, pages, lengths, warm, real,
                                          bufs, list(host_items), new, self.dump_row, self.counts[layer],
                                          self.max_warm_misses[layer], self.group_misses, self.home,
                                          copy=not by_scheduler)
+        with self._lock:
+            # (padding rows resolve in the spare group, which the kernel does not count)
+            self.full[layer] = set(groups.tolist()) - {self.spare_group} if done.empty == 0 else set()
         if by_scheduler:  # the demand copy through the scheduler (prefetching pauses meanwhile), then the new tokens
             self.scheduler.demand(layer, bufs, list(host_items), done.miss_dst, done.miss_src)
             if new is not None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 
-from nosa.serve.offload.block_cache import DeviceBlockCache, NewTokens
+from nosa.serve.offload.block_cache import DeviceBlockCache, NewTokens, PageTable
 from nosa.serve.offload.kv import OffloadKV, host_pages, predicted_blocks
 from nosa.serve.offload.settings import OffloadSettings
 from nosa.serve.offload.stats import StepRecord, StepStats
@@ -111,7 +111,7 @@ class OffloadEngine:
         (nosa.serve.step.DecodeInputs), resident in the device block cache: its DeviceRows. Fixed
         shapes; in a step that runs eagerly with the recall scheduler, the layer's prefetch is
         claimed first."""
-        pages = host_pages(self.req_to_token, inputs.rows, wanted.blocks, self.cache.block)
+        pages = PageTable(self.req_to_token, inputs.rows)  # looked up where needed (the CPU kernel: itself)
         prefetched = None
         if self.scheduler is not None and not captured():
             prefetched = self.cache.claim_prefetch(layer, inputs.groups)
@@ -158,11 +158,14 @@ class OffloadEngine:
         if self.admission is not None:
             self.admission.forget(row - 1)  # request row r owns group r - 1 (nosa.serve.offload.block_cache)
 
-    def counters(self) -> dict:
+    def counters(self, timeline: bool = True) -> dict:
         """The engine's counters for the stats file: slots in use, the cache's, the scheduler's and
-        admission's counters, and the step timeline."""
+        admission's counters, and the step timeline (unless ``timeline`` is False: the stats file
+        writes it from ``stats.snapshot_json()``)."""
         out = {"device_slots_in_use": self.cache.resident_slots(), "peak_device_slots": self.peak_slots,
-               "offload": {k: list(v) for k, v in self.cache.stats.items()}, "timeline": self.stats.snapshot()}
+               "offload": {k: list(v) for k, v in self.cache.stats.items()}}
+        if timeline:
+            out["timeline"] = self.stats.snapshot()
         if self.scheduler is not None:
             out["scheduler"] = {k: list(v) for k, v in self.scheduler.stats.items()}
         if self.admission is not None:

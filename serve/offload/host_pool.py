@@ -25,7 +25,7 @@ import logging
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from nosa.serve.offload.kv import token_rows, write_token_rows
+from nosa.serve.offload.kv import TokenRowMemo, write_token_rows
 from nosa.serve.offload.settings import OffloadSettings, check_host_memory
 
 logger = logging.getLogger(__name__)
@@ -54,13 +54,22 @@ class HostKVPool(MHATokenToKVPool):
 
     # ---- item views (what the recall engine copies) -------------------------------------------
     def items(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(k [P*Hkv, B, D], v [P*Hkv, B, Dv], cis [P*Hkv, B]) of one layer; item = page * Hkv + h."""
+        """(k [P*Hkv, B, D], v [P*Hkv, B, Dv], cis [P*Hkv, B]) of one layer; item = page * Hkv + h.
+        The views are made once per layer (several calls per layer and step)."""
         i = layer_id - self.start_layer
-        return (self.k_buffer[i].flatten(0, 1), self.v_buffer[i].flatten(0, 1), self.cis_buffer[i].flatten(0, 1))
+        views = getattr(self, "_item_views", {}).get(i)
+        if views is None or views[0].data_ptr() != self.k_buffer[i].data_ptr():
+            views = (self.k_buffer[i].flatten(0, 1), self.v_buffer[i].flatten(0, 1), self.cis_buffer[i].flatten(0, 1))
+            self.__dict__.setdefault("_item_views", {})[i] = views
+        return views
 
     def token_rows(self, loc: torch.Tensor) -> torch.Tensor:
-        """[T] token slots -> [T, Hkv] rows of the [P*Hkv*B, D] view (row of token s, head h)."""
-        return token_rows(loc, self.page_size, self.head_num)
+        """[T] token slots -> [T, Hkv] rows of the [P*Hkv*B, D] view (row of token s, head h); once
+        per forward (nosa.serve.offload.kv.TokenRowMemo)."""
+        memo = self.__dict__.get("_token_rows")
+        if memo is None:
+            memo = self._token_rows = TokenRowMemo(self.page_size, self.head_num)
+        return memo(loc)
 
     # ---- writes ------------------------------------------------------------------------------
     def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, k_scale=None, v_scale=None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from nosa import ops
-from nosa.serve.offload.block_cache import NewTokens
+from nosa.serve.offload.block_cache import NewTokens, host_pages  # noqa: F401 (host_pages: also imported from here)
 
 
 class OffloadKV:
@@ -76,6 +76,26 @@ def token_rows(loc: torch.Tensor, page_size: int, head_num: int) -> torch.Tensor
     return (page[:, None] * head_num + heads) * page_size + off[:, None]
 
 
+class TokenRowMemo:
+    """``token_rows`` of the last ``loc`` seen: every layer of a forward writes the same loc tensor,
+    so its rows are computed once per forward (recomputed when it is another tensor, or the same one
+    changed in place since: its version counter says so, e.g. a graph runner's static buffer)."""
+
+    def __init__(self, page_size: int, head_num: int):
+        self.page_size, self.head_num = page_size, head_num
+        self._last = None
+
+    def __call__(self, loc: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled step: computed in its graph
+            return token_rows(loc, self.page_size, self.head_num)
+        last = self._last
+        if last is not None and last[0] is loc and last[1] == loc._version:
+            return last[2]
+        rows = token_rows(loc, self.page_size, self.head_num)
+        self._last = (loc, loc._version, rows)
+        return rows
+
+
 def write_token_rows(dst: list[torch.Tensor], src: list[torch.Tensor], rows: torch.Tensor) -> None:
     """Rows of new tokens src[i] [N, W] into rows ``rows`` [N] of the host pool's token views dst[i]
     [P*Hkv*B, W]. On one device (a CPU server) a plain index_copy_ per tensor, which a compiled step
@@ -88,15 +108,6 @@ def write_token_rows(dst: list[torch.Tensor], src: list[torch.Tensor], rows: tor
     # contiguous: with one KV head (per TP rank) the reshape is still a strided view of SGLang's qkv
     ops.copy_items(dst, [s.contiguous() for s in src], rows.to(dst[0].device),
                    torch.arange(rows.numel(), device=src[0].device))
-
-
-def host_pages(req_to_token: torch.Tensor, table_rows: torch.Tensor, blocks: torch.Tensor, block: int) -> torch.Tensor:
-    """Host page of each block [R, Hkv, W] of the requests at ``req_to_token`` rows ``table_rows`` [R]
-    (the page of the block's first token; -1 blocks -> -1)."""
-    first_token = blocks.clamp(min=0).to(req_to_token.device) * block
-    where = table_rows.to(req_to_token.device)[:, None, None] * req_to_token.shape[1] + first_token
-    first = req_to_token.reshape(-1).index_select(0, where.flatten()).view(blocks.shape).long()
-    return torch.where(blocks >= 0, first.to(blocks.device) // block, -1)
 
 
 def predicted_blocks(states, lengths: list[int], cfg) -> torch.Tensor:

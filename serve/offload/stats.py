@@ -14,6 +14,7 @@ records for the stats file ($NOSA_SERVE_STATS_FILE, key ``timeline``); with $NOS
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import deque
@@ -52,6 +53,8 @@ class StepStats:
     def __init__(self, cache, scheduler=None, keep: int = 256):
         self.cache, self.scheduler = cache, scheduler
         self.timeline: deque = deque(maxlen=keep)
+        self.encoded: deque = deque(maxlen=keep)  # the same records as JSON text, each encoded once
+        self._unencoded = 0  # records logged since the last snapshot_json
         self.step = 0
         self._start = 0.0
         self._before: dict = {}
@@ -89,12 +92,23 @@ class StepStats:
         """Into the timeline (the stats file) and to W&B."""
         data = record.to_json()
         self.timeline.append(data)
+        self._unencoded += 1
         if self.logger is not None:
             self.logger.log(_flat(data), step=self.step)
         self.step += 1
 
     def snapshot(self) -> list:
         return list(self.timeline)
+
+    def snapshot_json(self) -> str:
+        """``snapshot()`` as JSON text, each record encoded once (the newest here, the others at an
+        earlier call): the stats file is written every second, and re-encoding 256 steps of per-layer
+        counters took ~25 ms (SmolLM2's 30 layers)."""
+        new = min(self._unencoded, len(self.timeline))
+        for i in range(len(self.timeline) - new, len(self.timeline)):
+            self.encoded.append(json.dumps(self.timeline[i]))
+        self._unencoded = 0
+        return "[" + ", ".join(self.encoded) + "]"
 
 
 def _flat(record: dict) -> dict:

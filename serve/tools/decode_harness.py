@@ -26,7 +26,7 @@ import torch
 from nosa.config import NosaConfig
 from nosa.eviction import EvictionHead
 from nosa.serve.decode_step import DecodeStep, PoolKV
-from nosa.serve.offload.kv import token_rows, write_token_rows
+from nosa.serve.offload.kv import TokenRowMemo, write_token_rows
 from nosa.serve.states import RequestStates
 from nosa.serve.step import ForwardStep
 from nosa.state_pool import DecodeStatePool, pages_for
@@ -52,12 +52,11 @@ class _HostPool:
     def __init__(self, k, v, cis, page_size: int):
         self.k_buffer, self.v_buffer, self.cis_buffer = k, v, cis
         self.page_size, self.head_num = page_size, k[0].shape[1]
+        self._items = [tuple(t[layer].flatten(0, 1) for t in (k, v, cis)) for layer in range(len(k))]
+        self.token_rows = TokenRowMemo(page_size, self.head_num)  # as HostKVPool: once per forward
 
     def items(self, layer: int):
-        return tuple(t[layer].flatten(0, 1) for t in (self.k_buffer, self.v_buffer, self.cis_buffer))
-
-    def token_rows(self, loc: torch.Tensor) -> torch.Tensor:
-        return token_rows(loc, self.page_size, self.head_num)
+        return self._items[layer]
 
 
 class DecodeHarness:

@@ -40,7 +40,13 @@ def test_host_pool_keeps_one_block_and_head_contiguous():
             assert torch.equal(pool.k_buffer[0][s // B, h, s % B], k[i, h])
             assert torch.equal(pool.v_buffer[0][s // B, h, s % B], v[i, h])
             assert pool.cis_buffer[0][s // B, h, s % B] == cis[i, h]
+    # the same loc tensor written again after an in-place change (a graph runner's static buffer):
+    # the rows it caches per forward are recomputed
+    loc[0] = 77
+    pool.set_kv_buffer(Layer(), loc, k, v)
+    assert torch.equal(pool.k_buffer[0][77 // B, 1, 77 % B], k[0, 1])
     k_items, _, cis_items = pool.items(0)
+    assert pool.items(0)[0] is k_items  # the item views are made once
     # item page * Hkv + h is the contiguous [B, D] block of that head
     assert torch.equal(k_items[(5 // B) * HKV + 1, 5 % B], k[0, 1])
     assert k_items[3].is_contiguous() and k_items.shape == (pool.num_pages * HKV, B, D)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nosa.kernels import resolve_cpu
-from nosa.serve.offload.block_cache import DeviceBlockCache, NewTokens
+from nosa.serve.offload.block_cache import DeviceBlockCache, NewTokens, PageTable
 from nosa.serve.offload.recall import RecallScheduler
 
 B, HKV, D, PAGES = 4, 2, 3, 200
@@ -46,7 +46,8 @@ def _same_rows(a, b):
 def test_kernel_equals_the_torch_resolve(monkeypatch, dtype, admission, scheduler):
     """3 requests (one sometimes a padding row in the spare group), 40 decode steps each of random
     selections (hits, misses, -1 padding, the tail block), steps that skip tokens (stale blocks),
-    warm and cold rows; with admission, extra slots granted to some groups and none to others."""
+    warm and cold rows; with admission, extra slots granted to some groups and none to others; host
+    pages given, or looked up in a req_to_token table, every other step."""
     rng = random.Random(0)
     groups, ns, w = 3, 6, 5
     home = 4 if admission else ns
@@ -59,6 +60,9 @@ def test_kernel_equals_the_torch_resolve(monkeypatch, dtype, admission, schedule
             assert cache.set_extra({0: 2, 1: 1}) == {0: 2, 1: 1}  # group 2 idle: its columns are lent
     lengths = [40, 53, 61]
     pages = torch.tensor([rng.sample(range(PAGES), 64) for _ in range(groups)])  # block -> host page
+    # SGLang's req_to_token of the same layout (row 0: the padding row), which the kernel reads itself
+    tokens = torch.arange(64 * B)
+    req_to_token = torch.cat([torch.zeros(1, 64 * B, dtype=torch.long), pages[:, tokens // B] * B + tokens % B]).int()
     for step in range(40):
         rows = [1, 2, 0] if step % 5 == 4 else [1, 2, 3]  # 0: a padding row
         for i in range(groups):
@@ -87,7 +91,8 @@ def test_kernel_equals_the_torch_resolve(monkeypatch, dtype, admission, schedule
             grp = cache.groups_of(rows)
             # the host side of a step: stale blocks dropped, groups synced (as begin_decode)
             cache.begin_decode([g for g, r in zip(grp.tolist(), rows) if r], [n for n, r in zip(lens, rows) if r])
-            found = cache.resolve_step(0, grp, wanted, torch.tensor(lens), page, host, new, warm, real)
+            where = page if step % 2 else PageTable(req_to_token, torch.tensor(rows))  # pages given, or looked up
+            found = cache.resolve_step(0, grp, wanted, torch.tensor(lens), where, host, new, warm, real)
             out.append(found)
         _same_rows(*out)
         assert torch.equal(spec.blocks[0], fused.blocks[0]), step
@@ -96,6 +101,12 @@ def test_kernel_equals_the_torch_resolve(monkeypatch, dtype, admission, schedule
         assert torch.equal(spec.counts, fused.counts)
         assert torch.equal(spec.max_warm_misses, fused.max_warm_misses)
         assert torch.equal(spec.group_misses, fused.group_misses)
+        if scheduler:  # may_prefetch's shortcut (groups the kernel found full) agrees with the slot maps
+            for cache in (spec, fused):
+                g = cache.groups_of([r for r in rows if r])
+                usable = (cache.col_of.index_select(0, g) >= 0)[:, None]
+                empty = ((cache.blocks[0].index_select(0, g) < 0) & usable).any()
+                assert cache.may_prefetch(0, g, [n for n, r in zip(lens, rows) if r]) == bool(empty), step
     stats = fused.stats
     assert stats["misses"][0] > 0 and stats["hits"][0] > 0 and stats["max_warm_misses"][0] > 0  # both exercised
     if scheduler:
