@@ -204,13 +204,14 @@ def resolve_layer(blocks: torch.Tensor, col_of: torch.Tensor, groups: torch.Tens
 def _pair(dev: list[torch.Tensor], host: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array, torch.Tensor]:
     """(device pointers, host pointers, bytes per item) of matching item buffers, checked the first
     time a pair is seen (contiguous, the same dtype and item shape)."""
-    key = (len(dev), *((t.data_ptr(), t.shape, t.dtype) for t in (*dev, *host)))
+    key = (len(dev), *((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (*dev, *host)))
     found = _PAIRS.get(key)
     if found is None:
-        if not all(t.is_contiguous() for t in (*dev, *host)):
-            raise ValueError("resolve_layer: the item buffers must be contiguous")
         if len(dev) != len(host) or any(d.dtype != h.dtype or d.shape[1:] != h.shape[1:] for d, h in zip(dev, host)):
-            raise ValueError("resolve_layer: device and host item buffers differ in dtype or item shape")
+            raise ValueError("copy_items / resolve_layer: the two sides' item buffers differ in number, dtype or "
+                             "item shape")
+        if not all(t.is_contiguous() for t in (*dev, *host)):
+            raise ValueError("copy_items / resolve_layer: the item buffers must be contiguous (items along dim 0)")
         if len(_PAIRS) > 4096:
             _PAIRS.clear()
         dev_ptrs, item_bytes = _buffers(dev)
@@ -222,11 +223,15 @@ _PAIRS: dict[tuple, tuple] = {}
 
 
 def copy_items(dst: list[torch.Tensor], src: list[torch.Tensor], dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
-    """nosa.ops.copy_items for CPU tensors (checked by the caller: contiguous, matching items, int64
-    index lists): one memcpy per item and buffer, entries with src_idx < 0 left out."""
-    dst_ptrs, item_bytes = _buffers(dst)
-    dst_idx, src_idx = dst_idx.contiguous(), src_idx.contiguous()
-    library().nosa_copy_items(len(dst), dst_ptrs, _buffers(src)[0], item_bytes.data_ptr(), dst_idx.numel(),
+    """nosa.ops.copy_items for CPU tensors: one memcpy per item and buffer, entries with src_idx < 0
+    left out. The buffers are checked the first time a pair is seen (contiguous, matching items)."""
+    dst_ptrs, src_ptrs, item_bytes = _pair(dst, src)
+    if dst_idx.dtype != torch.int64 or src_idx.dtype != torch.int64 or dst_idx.shape != src_idx.shape \
+            or dst_idx.dim() != 1:
+        raise ValueError(f"copy_items: dst_idx and src_idx must be equal 1-D int64 lists, got {dst_idx.dtype} "
+                         f"{tuple(dst_idx.shape)} and {src_idx.dtype} {tuple(src_idx.shape)}")
+    dst_idx, src_idx = _dense(dst_idx), _dense(src_idx)
+    library().nosa_copy_items(len(dst), dst_ptrs, src_ptrs, item_bytes.data_ptr(), dst_idx.numel(),
                               dst_idx.data_ptr(), src_idx.data_ptr())
 
 

@@ -91,10 +91,9 @@ def _copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_id
     from nosa.kernels import resolve_cpu
 
     if resolve_cpu.wanted_here(*dst, *src, dst_idx, src_idx):  # one memcpy per item (the CPU kernel)
-        recall.check(dst, src, dst_idx, src_idx)
         if recall.debug_checks():
             recall.check_bounds(dst, src, dst_idx, src_idx)
-        resolve_cpu.copy_items(list(dst), list(src), dst_idx, src_idx)
+        resolve_cpu.copy_items(list(dst), list(src), dst_idx, src_idx)  # checks the buffers once per pair
         return
     # one copier (staging buffers) per item layout and thread: staging must not be shared by two calls
     key = (threading.get_ident(), *((tuple(t.shape[1:]), t.dtype) for t in dst))

@@ -117,7 +117,7 @@ def test_recall_rejects_bad_input():
     idx = torch.tensor([0, 1], device=DEVICE)
     with pytest.raises(ValueError, match="int64"):
         ops.copy_items(dev, items, idx.int(), idx)
-    with pytest.raises(ValueError, match="item shapes differ"):
+    with pytest.raises(ValueError, match="item shape"):
         ops.copy_items(dev, [items[0][:, :8], items[1], items[2]], idx, idx)
     with pytest.raises(ValueError, match="dtype"):
         ops.copy_items(dev, [items[0].float(), items[1], items[2]], idx, idx)

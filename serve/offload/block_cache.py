@@ -488,7 +488,7 @@ class DeviceBlockCache:
         bufs = [self.k[layer], self.v[layer], self.cis[layer]]
         new = None
         if new_tokens is not None:
-            new = [t.to(b.dtype) for t, b in zip(new_tokens, bufs)]
+            new = [t if t.dtype == b.dtype else t.to(b.dtype) for t, b in zip(new_tokens, bufs)]
         if captured():  # a compiled step (SGLang's CPU graph runner): the kernel as one operator
             table = pages if isinstance(pages, PageTable) else PageTable(None, None)
             item, rows, valid, fill = resolve_cpu.resolve_layer_op(

@@ -65,7 +65,7 @@ class HostKVPool(MHATokenToKVPool):
 
     def token_rows(self, loc: torch.Tensor) -> torch.Tensor:
         """[T] token slots -> [T, Hkv] rows of the [P*Hkv*B, D] view (row of token s, head h); once
-        per forward (nosa.serve.offload.kv.TokenRowMemo)."""
+        per forward (nosa.serve.offload.kv.TokenRowMemo). The rows are shared: read them only."""
         memo = self.__dict__.get("_token_rows")
         if memo is None:
             memo = self._token_rows = TokenRowMemo(self.page_size, self.head_num)

@@ -77,9 +77,9 @@ def token_rows(loc: torch.Tensor, page_size: int, head_num: int) -> torch.Tensor
 
 
 class TokenRowMemo:
-    """``token_rows`` of the last ``loc`` seen: every layer of a forward writes the same loc tensor,
-    so its rows are computed once per forward (recomputed when it is another tensor, or the same one
-    changed in place since: its version counter says so, e.g. a graph runner's static buffer)."""
+    """``token_rows`` of the last ``loc`` seen: every layer of a forward writes the same slots, so
+    their rows are computed once per forward. Compared by value (one small ``torch.equal``): a
+    graph runner refills its static buffer in place, and inference tensors keep no version counter."""
 
     def __init__(self, page_size: int, head_num: int):
         self.page_size, self.head_num = page_size, head_num
@@ -89,10 +89,10 @@ class TokenRowMemo:
         if torch.compiler.is_compiling():  # a compiled step: computed in its graph
             return token_rows(loc, self.page_size, self.head_num)
         last = self._last
-        if last is not None and last[0] is loc and last[1] == loc._version:
-            return last[2]
+        if last is not None and last[0].shape == loc.shape and last[0].dtype == loc.dtype and torch.equal(last[0], loc):
+            return last[1]
         rows = token_rows(loc, self.page_size, self.head_num)
-        self._last = (loc, loc._version, rows)
+        self._last = (loc.clone(), rows)
         return rows
 
 

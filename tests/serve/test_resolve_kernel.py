@@ -121,7 +121,7 @@ def test_kernel_refuses_what_it_cannot_index():
         resolve_cpu.resolve_layer(cache.blocks[0], cache.col_of, torch.tensor([0]), wanted, wanted, torch.tensor([9]),
                                   torch.tensor([True]), None, [cache.k[0], cache.v[0], cache.cis[0]], list(host), None,
                                   cache.dump_row, cache.counts[0], cache.max_warm_misses[0], cache.group_misses, 2)
-    with pytest.raises(ValueError, match="dtype or item shape"):
+    with pytest.raises(ValueError, match="differ in number, dtype or item shape"):
         resolve_cpu.resolve_layer(cache.blocks[0], cache.col_of, torch.tensor([0]), wanted[..., :2], wanted[..., :2],
                                   torch.tensor([9]), torch.tensor([True]), None, [cache.k[0], cache.v[0], cache.cis[0]],
                                   [host[0].double(), host[1], host[2]], None, cache.dump_row, cache.counts[0],
