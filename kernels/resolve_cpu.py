@@ -92,13 +92,13 @@ def library():
                 fn.restype = ctypes.c_int64
                 fn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 6 + [ctypes.c_int64] \
                     + [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] \
-                    + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 7
-                lib.nosa_write_tokens.restype = None
+                    + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 2
+                lib.nosa_write_tokens.restype = ctypes.c_int64
                 lib.nosa_write_tokens.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] \
-                    + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
-                lib.nosa_copy_items.restype = None
+                    + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                lib.nosa_copy_items.restype = ctypes.c_int64
                 lib.nosa_copy_items.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] \
-                    + [ctypes.c_void_p] * 2
+                    + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
                 _STATE["lib"] = lib
             except (OSError, RuntimeError) as exc:
                 _STATE["error"] = str(exc)
@@ -197,7 +197,11 @@ def resolve_layer(blocks: torch.Tensor, col_of: torch.Tensor, groups: torch.Tens
         None if new_tokens is None or not copy else _pointers(new_tokens),
         dump_row, counts.data_ptr(), max_warm_misses.data_ptr(), group_misses.data_ptr(), int(copy),
         item.data_ptr(), rows.data_ptr(), valid.data_ptr(), fill.data_ptr(), miss_dst.data_ptr(), miss_src.data_ptr(),
-        ctypes.addressof(empty))
+        ctypes.addressof(empty), dev[0].shape[0], host[0].shape[0])
+    if m < 0:
+        raise RuntimeError(f"nosa resolve kernel: a recall index fell outside the {dev[0].shape[0]} device or "
+                           f"{host[0].shape[0]} host items (a slot without a column, or a page past the host pool); "
+                           "nothing was copied")
     return Resolved(item, rows, valid, fill, miss_dst[:m], miss_src[:m], empty.value)
 
 
@@ -231,8 +235,11 @@ def copy_items(dst: list[torch.Tensor], src: list[torch.Tensor], dst_idx: torch.
         raise ValueError(f"copy_items: dst_idx and src_idx must be equal 1-D int64 lists, got {dst_idx.dtype} "
                          f"{tuple(dst_idx.shape)} and {src_idx.dtype} {tuple(src_idx.shape)}")
     dst_idx, src_idx = _dense(dst_idx), _dense(src_idx)
-    library().nosa_copy_items(len(dst), dst_ptrs, src_ptrs, item_bytes.data_ptr(), dst_idx.numel(),
-                              dst_idx.data_ptr(), src_idx.data_ptr())
+    done = library().nosa_copy_items(len(dst), dst_ptrs, src_ptrs, item_bytes.data_ptr(), dst_idx.numel(),
+                                     dst_idx.data_ptr(), src_idx.data_ptr(), dst[0].shape[0], src[0].shape[0])
+    if done < 0:
+        raise ValueError(f"copy_items: an index (src_idx >= 0) falls outside the {dst[0].shape[0]} dst or "
+                         f"{src[0].shape[0]} src items; nothing was copied")
 
 
 def write_tokens(wanted: torch.Tensor, lengths: torch.Tensor, item: torch.Tensor, dev: list[torch.Tensor],
@@ -242,9 +249,11 @@ def write_tokens(wanted: torch.Tensor, lengths: torch.Tensor, item: torch.Tensor
     r, hkv, w = wanted.shape
     new_tokens = [t.contiguous() for t in new_tokens]
     dev_ptrs, item_bytes = _buffers(dev)
-    library().nosa_write_tokens(r, hkv, w, dev[0].shape[1], wanted.contiguous().data_ptr(),
-                                lengths.contiguous().data_ptr(), item.data_ptr(), len(dev), dev_ptrs,
-                                item_bytes.data_ptr(), _pointers(new_tokens), dump_row)
+    done = library().nosa_write_tokens(r, hkv, w, dev[0].shape[1], _dense(wanted).data_ptr(),
+                                       _dense(lengths).data_ptr(), item.data_ptr(), len(dev), dev_ptrs,
+                                       item_bytes.data_ptr(), _pointers(new_tokens), dump_row, dev[0].shape[0])
+    if done < 0:
+        raise RuntimeError(f"nosa resolve kernel: a tail block's item fell outside the {dev[0].shape[0]} device items")
 
 
 @torch.library.custom_op("nosa::resolve_layer", mutates_args=("blocks", "dev", "counts", "max_warm_misses",

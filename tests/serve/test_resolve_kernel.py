@@ -136,3 +136,25 @@ def test_build_reports_a_missing_compiler(monkeypatch, tmp_path):
     monkeypatch.delenv("CXX")
     path = resolve_cpu.build()  # the real compiler: into the given cache, named by the source's hash
     assert path.parent == tmp_path and path.exists() and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_kernel_refuses_indices_outside_the_buffers():
+    """An index past a buffer raises before anything is copied (the torch path raises on it too):
+    no write outside the buffers."""
+    host = _host(torch.float32)
+    dev = [torch.zeros(4, B, D), torch.zeros(4, B, D), torch.zeros(4, B)]
+    with pytest.raises(ValueError, match="outside the 4 dst"):
+        resolve_cpu.copy_items(dev, list(host), torch.tensor([1, 4]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="outside"):
+        resolve_cpu.copy_items(dev, list(host), torch.tensor([1, 2]), torch.tensor([0, PAGES * HKV]))
+    assert all(int(t.count_nonzero()) == 0 for t in dev)  # nothing copied
+    resolve_cpu.copy_items(dev, list(host), torch.tensor([-1, 2]), torch.tensor([-1, 3]))  # -1: padding
+    assert torch.equal(dev[0][2], host[0][3]) and int(dev[0][:2].count_nonzero()) == 0
+    # a miss that can only take a slot without a column (every column revoked) has no device item
+    cache = DeviceBlockCache(1, 1, HKV, 2, B, D, D, torch.float32, "cpu")
+    cache.col_of[0] = -1
+    wanted = torch.tensor([[[0, 1], [0, 1]]])
+    with pytest.raises(RuntimeError, match="outside the"):
+        cache.resolve_step(0, torch.tensor([0]), wanted, torch.tensor([8]), wanted + 3, host, None,
+                           torch.tensor([True]))
+    assert int(cache.k[0].count_nonzero()) == 0
