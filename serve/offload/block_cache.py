@@ -17,6 +17,9 @@ shapes only and no host synchronisation, so a decode step can be captured):
    got it too: write-through), so a resident tail block never needs a recall;
 4. count, in device tensors (``stats`` reads them on the host, between steps);
 5. return the device rows attention reads (nosa.kv.DeviceRows).
+That torch code is the spec and what a GPU (and a CUDA graph) runs; on a CPU server, where its ~190
+small operations per layer cost more than the copies, the same five steps run as one C++ call
+(nosa.kernels.resolve_cpu; tested equal to the torch code).
 The host side runs before: a group whose resident blocks went stale (tokens written other than by
 a decode step, e.g. a prefill chunk) drops those blocks, so they are recalled (``begin_decode``
 for every layer before a step; ``resolve`` does it per layer and wraps ``resolve_step`` with the
