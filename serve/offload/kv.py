@@ -78,15 +78,18 @@ def token_rows(loc: torch.Tensor, page_size: int, head_num: int) -> torch.Tensor
 
 class TokenRowMemo:
     """``token_rows`` of the last ``loc`` seen: every layer of a forward writes the same slots, so
-    their rows are computed once per forward. Compared by value (one small ``torch.equal``): a
-    graph runner refills its static buffer in place, and inference tensors keep no version counter."""
+    their rows are computed once per forward (CPU tensors). Compared by value (one small
+    ``torch.equal``): a graph runner refills its static buffer in place, and inference tensors keep
+    no version counter."""
 
     def __init__(self, page_size: int, head_num: int):
         self.page_size, self.head_num = page_size, head_num
         self._last = None
 
     def __call__(self, loc: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # a compiled step: computed in its graph
+        if loc.device.type != "cpu" or torch.compiler.is_compiling():
+            # on a GPU the comparison would synchronise (and break a CUDA graph's capture); a compiled
+            # step computes the rows in its graph
             return token_rows(loc, self.page_size, self.head_num)
         last = self._last
         if last is not None and last[0].shape == loc.shape and last[0].dtype == loc.dtype and torch.equal(last[0], loc):
