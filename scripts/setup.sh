@@ -26,4 +26,6 @@ if [ -f scripts/install_sglang_cpu.sh ] && ! $PY -c "import torch,sys; sys.exit(
     echo "[setup] SGLang 0.5.23 by the CPU route (no CUDA device here)"
     PY=$PY bash scripts/install_sglang_cpu.sh
 fi
+# the CPU server's offloading kernel (kernels/resolve_cpu.cpp), built now rather than at a server's first step
+$PY -c "from nosa.kernels import resolve_cpu as r; print('[setup] CPU resolve kernel:', 'built' if r.library() else 'no C++ compiler, the torch path runs')"
 $PY -c "import nosa, torch; print(f'[setup] ok: nosa {nosa.__version__}, torch {torch.__version__}')"
