@@ -33,7 +33,7 @@ _WIDE = tuple((wide, wide.itemsize) for wide in (torch.int64, torch.int32, torch
 CHUNK_BYTES = 1 << 19  # staging per pair and chunk: stays in L2 between gather and scatter
 
 
-def check(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx: torch.Tensor, src_idx: torch.Tensor):
+def _check(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx: torch.Tensor, src_idx: torch.Tensor):
     if len(dst) != len(src) or not dst:
         raise ValueError(f"copy_items: need as many dst as src tensors (>= 1), got {len(dst)} and {len(src)}")
     for name, idx in (("dst_idx", dst_idx), ("src_idx", src_idx)):
@@ -108,7 +108,7 @@ class ItemCopier:
 
     def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx: torch.Tensor,
              src_idx: torch.Tensor) -> None:
-        check(dst, src, dst_idx, src_idx)
+        _check(dst, src, dst_idx, src_idx)
         if any(t.is_cuda for t in (*dst, *src)):
             raise ValueError("ItemCopier is the CPU path; use nosa.ops.copy_items for CUDA tensors")
         if len(dst) != len(self._staging):
@@ -142,11 +142,11 @@ def copy_items_reference(dst, src, dst_idx, src_idx) -> None:
     ItemCopier path (staging sized for this call); with CUDA tensors (e.g. NOSA_KERNELS=reference on
     a GPU): a plain gather + scatter per pair, which allocates and synchronises (a reference only)."""
     if not any(t.is_cuda for t in (*dst, *src, dst_idx, src_idx)):
-        check(dst, src, dst_idx, src_idx)
+        _check(dst, src, dst_idx, src_idx)
         check_bounds(dst, src, dst_idx, src_idx)  # the reference always checks: it synchronises anyway
         ItemCopier(dst).copy(dst, src, dst_idx, src_idx)
         return
-    check(dst, src, dst_idx, src_idx)
+    _check(dst, src, dst_idx, src_idx)
     keep = src_idx >= 0
     dst_idx, src_idx = dst_idx[keep], src_idx[keep]
     for d, s in zip(dst, src):
@@ -179,7 +179,7 @@ def copy_items_plan(dst, src, dst_idx, src_idx):
 def copy_items_triton(dst, src, dst_idx, src_idx) -> None:
     """One launch per MAX_PAIRS pairs. CUDA tensors (src or dst may be pinned host memory), or CPU
     tensors under TRITON_INTERPRET=1."""
-    check(dst, src, dst_idx, src_idx)
+    _check(dst, src, dst_idx, src_idx)
     cuda = next((t.device for t in (*dst, *src) if t.is_cuda), None)
     if cuda is not None:
         for i, (d, s) in enumerate(zip(dst, src)):

@@ -478,11 +478,8 @@ class DeviceBlockCache:
         length_t = lengths[:, None, None]
         valid = (wanted >= 0).repeat_interleave(self.block, dim=-1) & (positions < length_t)
         fill = (length_t - wanted * self.block).clamp(0, self.block).int()
-        return DeviceRows(self.k[layer].view(-1, self.k[layer].shape[-1]),
-                          self.v[layer].view(-1, self.v[layer].shape[-1]),
-                          self.cis[layer].view(-1), token_rows, valid,
-                          items=(self.k[layer], self.v[layer], self.cis[layer]),
-                          slots=torch.where(wanted >= 0, item, -1), fill=torch.where(wanted >= 0, fill, 0))
+        return self._device_rows(layer, token_rows, valid, torch.where(wanted >= 0, item, -1),
+                                 torch.where(wanted >= 0, fill, 0))
 
     def _resolve_fused(self, layer, groups, wanted, lengths, pages, host_items, new_tokens, warm, real) -> DeviceRows:
         """``resolve_step`` without a prefetch, as one CPU kernel call (nosa.kernels.resolve_cpu)."""
@@ -493,13 +490,13 @@ class DeviceBlockCache:
         if new_tokens is not None:
             new = [t if t.dtype == b.dtype else t.to(b.dtype) for t, b in zip(new_tokens, bufs)]
         if captured():  # a compiled step (SGLang's CPU graph runner): the kernel as one operator
-            table = pages if isinstance(pages, PageTable) else PageTable(None, None)
+            # the operator takes the pages, or the table to look them up in
+            given, table = (None, pages) if isinstance(pages, PageTable) else (pages, PageTable(None, None))
             item, rows, valid, fill = resolve_cpu.resolve_layer_op(
-                self.blocks[layer], self.col_of, groups, wanted, None if table.rows is not None else pages,
-                table.req_to_token, table.rows, lengths, warm, real, bufs, list(host_items),
-                new or [], self.dump_row, self.counts[layer], self.max_warm_misses[layer], self.group_misses, self.home)
-            return DeviceRows(bufs[0].view(-1, bufs[0].shape[-1]), bufs[1].view(-1, bufs[1].shape[-1]),
-                              bufs[2].view(-1), rows, valid, items=tuple(bufs), slots=item, fill=fill)
+                self.blocks[layer], self.col_of, groups, wanted, given, table.req_to_token, table.rows, lengths,
+                warm, real, bufs, list(host_items), new or [], self.dump_row, self.counts[layer],
+                self.max_warm_misses[layer], self.group_misses, self.home)
+            return self._device_rows(layer, rows, valid, item, fill)
         by_scheduler = self.scheduler is not None
         start = time.perf_counter()
         done = resolve_cpu.resolve_layer(self.blocks[layer], self.col_of, groups, wanted, pages, lengths, warm, real,
@@ -517,8 +514,14 @@ class DeviceBlockCache:
             seconds = time.perf_counter() - start  # the kernel's whole call: the copy and the diff
             self.host_stats["recall_seconds"][layer] += seconds
             self.host_stats["stall_seconds"][layer] += seconds
-        return DeviceRows(bufs[0].view(-1, bufs[0].shape[-1]), bufs[1].view(-1, bufs[1].shape[-1]), bufs[2].view(-1),
-                          done.rows, done.valid, items=tuple(bufs), slots=done.item, fill=done.fill)
+        return self._device_rows(layer, done.rows, done.valid, done.item, done.fill)
+
+    def _device_rows(self, layer: int, rows, valid, slots, fill) -> DeviceRows:
+        """The layer's buffers as attention reads them (row-major K, V, cis and the items), with the
+        step's rows [R, Hkv, W*B], valid, slots [R, Hkv, W] (-1 = none) and fill."""
+        k, v, cis = self.k[layer], self.v[layer], self.cis[layer]
+        return DeviceRows(k.view(-1, k.shape[-1]), v.view(-1, v.shape[-1]), cis.view(-1), rows, valid,
+                          items=(k, v, cis), slots=slots, fill=fill)
 
     def _write_tokens(self, layer, wanted, item, lengths, new_tokens) -> None:
         """The new token of each request [R] into the resident slot of its block (the window always

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from nosa import ops
-from nosa.serve.offload.block_cache import NewTokens, host_pages  # noqa: F401 (host_pages: also imported from here)
+from nosa.serve.offload.block_cache import NewTokens, host_pages
 
 
 class OffloadKV:

@@ -20,13 +20,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from nosa.serve.offload.block_cache import COUNT_KEYS
-
 ENV_WANDB = "NOSA_SERVE_WANDB"
 ENV_WANDB_DIR = "NOSA_SERVE_WANDB_DIR"
 CACHE_KEYS = ("selected", "hits", "misses", "prefetch_hits", "prefetched", "prefetch_dropped", "recalled_bytes")
-# the device counters among them: their column in DeviceBlockCache.counts
-_COUNT_INDEX = {key: COUNT_KEYS.index(key) for key in ("selected", "hits", "misses", "prefetch_hits")}
 
 
 @dataclass
@@ -66,21 +62,15 @@ class StepStats:
         self.logger = _wandb_logger()
 
     def _counters(self) -> dict:
-        """The counters a step record differences: the cache's device counters in one host read
-        (per layer, COUNT_KEYS), its host-side lists, the scheduler's seconds."""
-        cache = self.cache
-        rows = cache.counts.tolist()
-        c = {key: [row[i] for row in rows] for key, i in _COUNT_INDEX.items()}
-        c["recalled_bytes"] = [m * cache.item_bytes for m in c["misses"]]
-        c["prefetched"] = list(cache.host_stats["prefetched"])
-        c["prefetch_dropped"] = list(cache.host_stats["prefetch_dropped"])
+        stats = self.cache.stats  # one host read of the device counters
+        c = {key: list(stats[key]) for key in CACHE_KEYS}
         if self.scheduler is not None:
             s = self.scheduler.stats
             c["recall_seconds"] = [a + b for a, b in zip(s["demand_seconds"], s["prefetch_seconds"])]
             c["stall_seconds"] = list(s["stall_seconds"])
         else:
-            c["recall_seconds"] = list(cache.host_stats["recall_seconds"])
-            c["stall_seconds"] = list(cache.host_stats["stall_seconds"])
+            c["recall_seconds"] = list(stats["recall_seconds"])
+            c["stall_seconds"] = list(stats["stall_seconds"])
         return c
 
     def begin(self, batch: int) -> None:
