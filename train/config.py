@@ -111,6 +111,10 @@ class TrainConfig:
     distill_steps: int = 1000
     distill_lr: float = 3e-2
     distill_scale: float = 0.1
+    # the fit's window ranking term (nosa.train.distill.WindowRank): its weight beside the token
+    # loss (0: off) and its softmax temperature, in units of the window mean of softplus(W v + b)
+    distill_rank: float = 0.0
+    distill_rank_tau: float = 0.02
     dense_lr: float | None = None  # lr of the dense phase (default optim.lr)
     freeze_base: bool = False  # NOSA phase: train the eviction heads only
     eval_every: int = 50  # and at the last step of each phase; 0: only at the last step
@@ -205,6 +209,9 @@ class TrainConfig:
                 f"distill_rows={self.distill_rows}, distill_steps={self.distill_steps}, distill_scale="
                 f"{self.distill_scale}: expected rows >= 0, steps >= 1 and a positive scale"
             )
+        if self.distill_rank < 0 or not self.distill_rank_tau > 0:
+            raise ValueError(f"distill_rank={self.distill_rank}, distill_rank_tau={self.distill_rank_tau}: "
+                             "expected a weight >= 0 and a positive temperature")
         if not self.data.answer_weight > 0:
             raise ValueError(f"data.answer_weight={self.data.answer_weight}: expected a positive number")
         if self.data.loss_on not in ("all", "targets"):

@@ -19,6 +19,8 @@ kept filler (measured: README, "Accuracy benchmark"). Sink-block tokens and toke
 carry no target. The head's logit ``W v_j + b`` (cis = A * softplus of it) is fitted to the target
 by binary cross-entropy with soft labels (``balanced_bce``), on inputs captured once (v does not
 depend on W, b), so the fit costs a few forward passes and no backward through the model.
+Optionally (``rank_weight`` > 0) a listwise term fits what the selection actually ranks, the mean
+of the head's score over each compressed window (``WindowRank``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from nosa.compress import compress_windows
 from nosa.config import NosaConfig
 from nosa.eviction import MODULE_NAME
 from nosa.train.loss import row_weights
@@ -60,7 +63,7 @@ def attention_targets(q, k, cfg: NosaConfig, scale: float, weight: torch.Tensor 
 
 def fit_eviction_heads(
     model, rows, cfg: NosaConfig, steps: int, lr: float, scale: float, answer_weight: float = 1.0, print0=print,
-    progress: bool = False,
+    progress: bool = False, rank_weight: float = 0.0, rank_tau: float = 0.02,
 ) -> dict:
     """Fit W, b of every eviction head of the converted ``model`` on ``rows`` (packed training rows
     with labels and answers, first document of each; rows weighed as the loss weighs them), then
@@ -68,6 +71,18 @@ def fit_eviction_heads(
     {"distill/loss_first", "distill/loss", "distill/seconds"}."""
     import time
 
+    t0 = time.perf_counter()
+    data = capture_fit_inputs(model, rows, cfg, answer_weight, progress)
+    first, last = fit_heads(model, data, cfg, steps, lr, scale, rank_weight, rank_tau, progress)
+    seconds = time.perf_counter() - t0
+    print0(f"eviction heads fitted to the dense attention: loss {first:.4f} -> {last:.4f} "
+           f"({steps} steps, {len(rows)} rows, {seconds:.0f} s); A = {scale}")
+    return {"distill/loss_first": first, "distill/loss": last, "distill/seconds": seconds}
+
+
+def capture_fit_inputs(model, rows, cfg: NosaConfig, answer_weight: float = 1.0, progress: bool = False) -> dict:
+    """What the fit reads, per attention module name: a list over ``rows`` of (v [L, Hkv, D],
+    target [L, Hkv], valid [L, Hkv]) on the CPU (``attention_targets`` of the dense attention)."""
     from tqdm import tqdm
 
     import nosa
@@ -80,7 +95,6 @@ def fit_eviction_heads(
     # the targets are the dense model's attention: every layer runs densely while its inputs are
     # captured (A is still 0 and every row is within dense_len), so later layers see dense inputs
     nosa.convert(model, dataclasses.replace(cfg, dense_len=max(len(row["input_ids"]) for row in rows)))
-    t0 = time.perf_counter()
     with torch.no_grad():
         for row in tqdm(rows, desc="fit: dense attention", unit="row", disable=not progress, dynamic_ncols=True):
             ids = first_document(row["input_ids"], row["position_ids"])
@@ -95,21 +109,29 @@ def fit_eviction_heads(
                 data.setdefault(name, []).append((v.cpu(), target, valid))
     nosa.convert(model, cfg)
     model.train(was_training)
+    return data
+
+
+def fit_heads(model, data: dict, cfg: NosaConfig, steps: int, lr: float, scale: float, rank_weight: float = 0.0,
+              rank_tau: float = 0.02, progress: bool = False) -> tuple[float, float]:
+    """Fit every eviction head of ``model`` on ``capture_fit_inputs``'s ``data`` (from W, b as they
+    are) and set its A to ``scale``. Returns the token loss before and after, averaged over layers."""
+    from tqdm import tqdm
+
     first = last = 0.0
     for name, items in tqdm(data.items(), desc="fit: heads", unit="layer", disable=not progress, dynamic_ncols=True):
         head = getattr(model.get_submodule(name), MODULE_NAME)
         v, target, valid = (torch.cat([x[i] for x in items]) for i in range(3))
-        a, b = fit_head(head, v, target, valid, steps, lr)
+        rank = WindowRank([x[0].shape[0] for x in items], cfg, rank_weight, rank_tau) if rank_weight > 0 else None
+        a, b = fit_head(head, v, target, valid, steps, lr, rank=rank)
         first, last = first + a / len(data), last + b / len(data)
         with torch.no_grad():
             head.scale.fill_(scale)
-    seconds = time.perf_counter() - t0
-    print0(f"eviction heads fitted to the dense attention: loss {first:.4f} -> {last:.4f} "
-           f"({steps} steps, {len(rows)} rows, {seconds:.0f} s); A = {scale}")
-    return {"distill/loss_first": first, "distill/loss": last, "distill/seconds": seconds}
+    return first, last
 
 
-def fit_head(head, v, target, valid, steps: int, lr: float, batch: int = 2048, seed: int = 0) -> tuple[float, float]:
+def fit_head(head, v, target, valid, steps: int, lr: float, batch: int = 2048, seed: int = 0,
+             rank: WindowRank | None = None) -> tuple[float, float]:
     """Fit ``head.proj`` (W, b) so that sigmoid(W v + b) matches ``target`` where ``valid``:
     ``steps`` Adam steps on ``batch`` tokens each, drawn (with replacement) with probability
     proportional to their weight in ``balanced_bce``, whose loss each step's mean estimates without
@@ -130,12 +152,53 @@ def fit_head(head, v, target, valid, steps: int, lr: float, batch: int = 2048, s
         idx = torch.multinomial(token_weight, batch, replacement=True, generator=gen)
         bce = F.binary_cross_entropy_with_logits(head.proj(x[idx]), target[idx], reduction="none")
         loss = ((bce * weight[idx]).sum(-1) / token_weight[idx]).mean()
+        if rank is not None and rank.weight > 0:
+            loss = loss + rank.weight * rank.loss(head.proj, x, target, valid, gen)
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
         final = float(balanced_bce(head.proj(x), target, valid))
     return first, final
+
+
+@dataclasses.dataclass
+class WindowRank:
+    """A listwise ranking term for ``fit_head``: the static part of the selection ranks blocks by
+    the mean of cis over compressed windows (nosa.eviction.block_eviction_scores), so this fits the
+    order of those means to the attention each window receives. Per row (document) and KV head, the
+    cross-entropy between the windows' share of the target mass and softmax(window mean of
+    softplus(W v + b) / tau), over the windows whose every token has a target. The token loss alone
+    fits the few attended tokens (a digit, a name) and the punctuation that draws attention
+    everywhere, and the window mean dilutes a lone attended token among 31 others; this term scores
+    the window as the selection does. ``lengths``: the tokens of each row, in the order the rows
+    were concatenated; ``rows_per_step`` rows are drawn per step."""
+
+    lengths: list[int]
+    cfg: NosaConfig
+    weight: float = 1.0
+    tau: float = 0.02
+    rows_per_step: int = 4
+
+    def loss(self, proj, x, target, valid, gen) -> torch.Tensor:
+        starts = [0]
+        for n in self.lengths[:-1]:
+            starts.append(starts[-1] + n)
+        pick = torch.randint(len(self.lengths), (self.rows_per_step,), generator=gen, device=x.device)
+        total, count = x.new_zeros(()), 0
+        for r in pick.tolist():
+            rows = slice(starts[r], starts[r] + self.lengths[r])
+            score = compress_windows(F.softplus(proj(x[rows])), self.cfg)  # [C, Hkv]
+            whole = compress_windows(valid[rows].to(x.dtype), self.cfg) == 1  # every token has a target
+            mass = compress_windows(target[rows], self.cfg).masked_fill(~whole, 0.0)
+            live = mass.sum(0) > 0  # [Hkv]: heads whose answer rows attend somewhere in this row
+            if not live.any():
+                continue
+            share = mass / mass.sum(0).clamp(min=1e-12)
+            logp = torch.log_softmax((score / self.tau).masked_fill(~whole, float("-inf")), dim=0)
+            total = total - (share * logp.masked_fill(~whole, 0.0)).sum(0)[live].sum()
+            count += int(live.sum())
+        return total / max(count, 1)
 
 
 def balanced_weights(target, valid):

@@ -109,7 +109,8 @@ def run(cfg: TrainConfig) -> dict:
                 fitted = fit_eviction_heads(model, rows.select(range(min(cfg.distill_rows, len(rows)))),
                                             cfg.nosa_config, cfg.distill_steps, cfg.distill_lr,
                                             cfg.distill_scale, cfg.data.answer_weight, print0,
-                                            progress=rank == 0 and cfg.progress)
+                                            progress=rank == 0 and cfg.progress, rank_weight=cfg.distill_rank,
+                                            rank_tau=cfg.distill_rank_tau)
                 logger.log(fitted, step=state["step"])
                 path = checkpoint.save_model(model, tokenizer, cfg.to_dict(), os.path.join(cfg.out_dir, "fitted"))
                 print0(f"saved {path} (the fitted model, before the fine-tune)")

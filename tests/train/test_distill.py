@@ -55,6 +55,77 @@ def test_fit_learns_which_values_are_attended():
         assert target[top, h].mean() > 0.9 * target[:, h].topk(20).values.mean()
 
 
+def test_window_rank_loss_is_the_listwise_cross_entropy_of_each_row():
+    """By hand: per row and KV head, the windows' share of the target mass against softmax(window
+    mean of softplus(logit) / tau), over the windows whose tokens all have a target."""
+    import torch.nn.functional as F
+
+    from nosa.compress import compress_windows
+    from nosa.train.distill import WindowRank
+
+    torch.manual_seed(3)
+    lengths, hkv, d = [12, 10], 2, 4
+    x = torch.randn(sum(lengths), hkv * d)
+    proj = torch.nn.Linear(hkv * d, hkv)
+    target, valid = torch.rand(sum(lengths), hkv), torch.rand(sum(lengths), hkv) > 0.15
+    target[12:, 1] = 0.0  # row 1, head 1 attends nowhere: no term
+    rank = WindowRank(lengths, CFG, tau=0.1, rows_per_step=1)
+    gen = torch.Generator().manual_seed(5)
+    row = int(torch.randint(2, (1,), generator=torch.Generator().manual_seed(5)))
+    got = rank.loss(proj, x, target, valid, gen)
+    rows = slice(0, 12) if row == 0 else slice(12, 22)
+    score = compress_windows(F.softplus(proj(x[rows])), CFG)
+    mass = compress_windows(target[rows], CFG)
+    whole = compress_windows(valid[rows].float(), CFG) == 1
+    terms = []
+    for h in range(hkv):
+        m = mass[whole[:, h], h]
+        if m.sum() == 0:
+            continue
+        terms.append(-(m / m.sum() * torch.log_softmax(score[whole[:, h], h] / 0.1, 0)).sum())
+    torch.testing.assert_close(got, torch.stack(terms).mean())
+
+
+def test_window_rank_orders_windows_where_the_token_loss_does_not():
+    """Each window holds one attended token (the target) among tokens that carry no target; the
+    attended token's value says nothing, but the other tokens of an attended window share a
+    direction (a sentence that is read from, not only its one token). The token loss cannot rank the
+    windows (its attended tokens are noise); the window term learns the shared direction."""
+    from nosa.compress import compress_windows
+    from nosa.eviction import EvictionHead
+    from nosa.train.distill import WindowRank, fit_head
+
+    torch.manual_seed(0)
+    cfg = NosaConfig(block_size=8, compress_kernel=8, compress_stride=8, sink_blocks=1, window_blocks=1,
+                     topk_blocks=4, query_blocks=1, dense_len=0)
+    rows, length, hkv, d = 16, 256, 1, 8
+    truth = torch.randn(d)
+    truth /= truth.norm()
+    v = torch.randn(rows * length, hkv, d)
+    target = torch.zeros(rows * length, hkv)
+    hot = []
+    for r in range(rows):
+        for w in torch.randperm(length // 8 - 1)[:3].tolist():
+            start = r * length + (w + 1) * 8
+            v[start + 1:start + 8, 0] += 2.5 * truth  # the window's other tokens share a direction
+            target[start, 0] = 0.5  # the attended token itself is random
+            hot.append(start // 8)
+    valid = torch.ones_like(target, dtype=torch.bool)
+    top = {}
+    for weight in (0.0, 1.0):
+        head = EvictionHead(hkv, d)
+        torch.manual_seed(1)
+        head.proj.reset_parameters()
+        rank = WindowRank([length] * rows, cfg, weight, tau=0.05) if weight else None
+        fit_head(head, v, target, valid, steps=200, lr=3e-2, batch=512, rank=rank)
+        with torch.no_grad():
+            score = compress_windows(torch.nn.functional.softplus(head.proj(v.flatten(-2))), cfg)[:, 0]
+        top[weight] = set(score.topk(len(hot)).indices.tolist())
+    hot = set(hot)
+    assert len(top[1.0] & hot) > 0.9 * len(hot)
+    assert len(top[0.0] & hot) < 0.5 * len(hot)
+
+
 def test_balanced_bce_weighs_the_attended_tokens_like_all_tokens():
     torch.manual_seed(2)
     n, hkv = 50, 2
@@ -95,5 +166,9 @@ def test_bad_distill_settings_are_refused():
     smoke = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "train", "smoke.yaml")
     with pytest.raises(ValueError, match="distill_scale=0.0"):
         load_config(smoke, ["distill_rows=4", "distill_scale=0.0"])
+    with pytest.raises(ValueError, match="distill_rank=-1"):
+        load_config(smoke, ["distill_rank=-1"])
+    with pytest.raises(ValueError, match="distill_rank_tau=0"):
+        load_config(smoke, ["distill_rank_tau=0"])
     with pytest.raises(ValueError, match="answer_weight=-1"):
         load_config(smoke, ["data.answer_weight=-1"])
