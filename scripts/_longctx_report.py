@@ -77,10 +77,12 @@ def summarise(args, counts, variants, records, perplexity, seconds, env, seconds
 
 
 def merge(reports: list[dict]) -> dict:
-    """One report from reports of disjoint lengths run with the same model, variants, tasks, budgets,
-    prefill and seed (e.g. one process per length). Perplexity comes from the report of the longest
-    length that measured it; "seconds" is the longest part (the parts ran side by side), and
-    "seconds_parts" lists each part's."""
+    """One report from reports run with the same model, tasks, budgets, prefill and seed: either of
+    disjoint lengths with the same variants (e.g. one process per length), or of the same lengths
+    and examples with other variants (e.g. a checkpoint run later with ``--no-a0``, added to a
+    report that has A = 0; dense is in both and must agree). Perplexity: by lengths, from the report
+    of the longest length that measured it; by variants, every variant's, against the first
+    report's dense. "seconds" is the longest part and "seconds_parts" lists each part's."""
     same = ("model", "prefill", "tasks", "shares", "picks", "seed")
     first = reports[0]
     for r in reports[1:]:
@@ -88,8 +90,36 @@ def merge(reports: list[dict]) -> dict:
             if r.get(key) != first.get(key):
                 raise SystemExit(f"bench_longctx --merge: the reports differ in {key!r}: "
                                  f"{first.get(key)!r} vs {r.get(key)!r}")
-        if [v["variant"] for v in r["results"] if v["length"] == r["lengths"][0]] != \
-                [v["variant"] for v in first["results"] if v["length"] == first["lengths"][0]]:
+    by_variants = all(r["lengths"] == first["lengths"] and set(_variants(r)) - {"dense"} != set(_variants(first))
+                      - {"dense"} for r in reports[1:]) and len(reports) > 1
+    out = _join_variants(reports) if by_variants else _join_lengths(reports)
+    out.update(seconds=max(r["seconds"] for r in reports), seconds_parts=[r["seconds"] for r in reports])
+    return out
+
+
+def drop_variants(report: dict, texts: list[str]) -> dict:
+    """The report without the variants whose name contains any of ``texts`` (dense stays)."""
+    def gone(name: str) -> bool:
+        return name != "dense" and any(t in name for t in texts)
+
+    if not texts:
+        return report
+    out = dict(report)
+    out["results"] = [r for r in report["results"] if not gone(r["variant"])]
+    out["perplexity"] = [p for p in report["perplexity"] if not gone(p["variant"])]
+    out["examples"] = [dict(ex, **{key: {v: x for v, x in ex[key].items() if not gone(v)}
+                                   for key in ("reply", "right", "select")}) for ex in report["examples"]]
+    return out
+
+
+def _variants(report: dict) -> list[str]:
+    return [v["variant"] for v in report["results"] if v["length"] == report["lengths"][0]]
+
+
+def _join_lengths(reports: list[dict]) -> dict:
+    first = reports[0]
+    for r in reports[1:]:
+        if _variants(r) != _variants(first):
             raise SystemExit("bench_longctx --merge: the reports have different variants")
     lengths = [n for r in reports for n in r["lengths"]]
     if len(set(lengths)) != len(lengths):
@@ -104,9 +134,42 @@ def merge(reports: list[dict]) -> dict:
         results=[row for r in reports for row in r["results"]],
         examples=[ex for r in reports for ex in r["examples"]],
         perplexity=max(with_ppl, key=lambda r: r["perplexity"][0]["length"])["perplexity"] if with_ppl else [],
-        seconds=max(r["seconds"] for r in reports),
-        seconds_parts=[r["seconds"] for r in reports],
     )
+    return out
+
+
+def _join_variants(reports: list[dict]) -> dict:
+    first = reports[0]
+    examples = [dict(ex, reply=dict(ex["reply"]), right=dict(ex["right"]), select=dict(ex["select"]))
+                for ex in first["examples"]]
+    results, perplexity = list(first["results"]), list(first["perplexity"])
+    dense_ppl = {p["variant"]: p for p in perplexity}.get("dense")
+    for r in reports[1:]:
+        if [(e["length"], e["task"], e["digest"]) for e in r["examples"]] != \
+                [(e["length"], e["task"], e["digest"]) for e in examples]:
+            raise SystemExit("bench_longctx --merge: the reports have the same lengths but other examples "
+                             "(--examples, --tasks or the prompts differ)")
+        have = set(_variants({"results": results, "lengths": first["lengths"]}))
+        for mine, theirs in zip(examples, r["examples"]):
+            a, b = mine["right"].get("dense"), theirs["right"].get("dense")
+            if a is not None and b is not None and a != b:
+                raise SystemExit(f"bench_longctx --merge: dense answers differently in the two reports "
+                                 f"({theirs['task']} at {theirs['length']}, example {theirs['index']})")
+            for key in ("reply", "right", "select"):
+                mine[key].update({v: x for v, x in theirs[key].items() if v not in have})
+        results += [row for row in r["results"] if row["variant"] not in have]
+        for p in r["perplexity"]:
+            if p["variant"] == "dense" and dense_ppl is not None and \
+                    (p["length"], p.get("windows"), p["nll"]) != (dense_ppl["length"], dense_ppl.get("windows"),
+                                                                   dense_ppl["nll"]):
+                raise SystemExit("bench_longctx --merge: the reports measured perplexity on other windows")
+            if p["variant"] not in have and p["variant"] != "dense":
+                if dense_ppl is None:
+                    raise SystemExit("bench_longctx --merge: the first report has no dense perplexity")
+                perplexity.append(dict(p, ratio_to_dense=math.exp(p["nll"] - dense_ppl["nll"])))
+    order = {n: i for i, n in enumerate(first["lengths"])}
+    out = dict(first)
+    out.update(results=sorted(results, key=lambda row: order[row["length"]]), examples=examples, perplexity=perplexity)
     return out
 
 

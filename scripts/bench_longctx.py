@@ -240,7 +240,7 @@ def load_variants(args):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     dense = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
     variants = [Variant("dense", dense, None, "dense")]
-    variants += [Variant(f"A = 0, 1/{s}", dense, s, "dense") for s in args.shares]
+    variants += [Variant(f"A = 0, 1/{s}", dense, s, "dense") for s in args.shares if args.a0]
     for spec in args.nosa or []:
         label, _, path = spec.rpartition("=")
         label = label or os.path.basename(os.path.normpath(path))
@@ -268,6 +268,9 @@ def main(argv=None) -> int:
                         help="free query-aware picks as a share of the budget (several: one variant per NOSA "
                              "checkpoint, budget and share; default 1/16; the release's split is 15/64). A = 0 "
                              "ranks every non-forced block by the query, so its selection does not depend on this")
+    parser.add_argument("--a0", action=argparse.BooleanOptionalAction, default=True,
+                        help="the A = 0 variants (--no-a0: only dense and the --nosa checkpoints, e.g. to add a "
+                             "checkpoint to an earlier report on the same examples with --merge)")
     parser.add_argument("--prefill", choices=("dense", "sparse"), default="dense")
     parser.add_argument("--ppl-windows", type=int, default=3,
                         help="held-out windows of the longest length (0: no perplexity)")
@@ -277,10 +280,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="results/longctx.json")
     parser.add_argument("--plot", metavar="PNG", help="also draw accuracy, recalls and hit rate per length")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
-                        help="run nothing: join reports of other lengths (e.g. one process per length on a "
-                             "machine with cores to spare) into --out, its tables and --plot")
+                        help="run nothing: join reports into --out, its tables and --plot: reports of other "
+                             "lengths (e.g. one process per length on a machine with cores to spare), or of the "
+                             "same lengths and examples with other variants (e.g. a checkpoint run with --no-a0)")
+    parser.add_argument("--drop", nargs="+", metavar="TEXT",
+                        help="with --merge: leave out the variants whose name contains TEXT (e.g. an earlier "
+                             "checkpoint's, when a new one is added)")
     args = parser.parse_args(argv)
-    from _longctx_report import merge
+    from _longctx_report import drop_variants, merge
 
     if args.merge:
         reports = []
@@ -290,7 +297,11 @@ def main(argv=None) -> int:
                     reports.append(json.load(f))
             except (OSError, ValueError) as e:
                 raise SystemExit(f"bench_longctx --merge: cannot read the report {path!r}: {e}") from None
-        return write_report(merge(reports), args.out, args.plot)
+        return write_report(drop_variants(merge(reports), args.drop or []), args.out, args.plot)
+    if args.drop:
+        parser.error("--drop works with --merge (it leaves variants out of the joined report)")
+    if not args.a0 and not args.nosa:
+        parser.error("--no-a0 without --nosa leaves only dense to run")
     if args.ppl_windows < 0:
         parser.error(f"--ppl-windows must be 0 or more, got {args.ppl_windows}")
     if args.quick:

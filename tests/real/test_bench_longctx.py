@@ -3,6 +3,7 @@ on the real model in which A = 0 with every block in its budget must reply exact
 
 import argparse
 import json
+import math
 import os
 import sys
 from fractions import Fraction
@@ -14,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
                                 "scripts"))
 import _suite_config  # noqa: E402
 import bench_longctx  # noqa: E402
-from _longctx_report import merge, targets, wilson  # noqa: E402
+from _longctx_report import drop_variants, merge, targets, wilson  # noqa: E402
 from _longctx_report import share as right_share  # noqa: E402
 
 
@@ -81,6 +82,54 @@ def test_merge_joins_lengths_and_keeps_the_longest_perplexity():
         merge([_report(2048), _report(4096, variants=("dense",))])
 
 
+def _run(variants, rights, nll=None, digests=("a", "b")):
+    """A report of 2 qa examples at 2048: ``rights[v]`` is variant v's verdict on each."""
+    examples = [{"length": 2048, "task": "qa", "index": i, "digest": d,
+                 "reply": {v: f"{v} {i}" for v in variants}, "right": {v: rights[v][i] for v in variants},
+                 "select": {v: {"entering": i} for v in variants if v != "dense"}} for i, d in enumerate(digests)]
+    return {"model": "m", "prefill": "dense", "tasks": ["qa"], "shares": [4], "picks": ["1/16"], "seed": 0,
+            "lengths": [2048], "examples_per_task": {"2048": 2}, "context_prefill_seconds": {"2048": 1.0},
+            "results": [{"variant": v, "length": 2048} for v in variants], "examples": examples, "seconds": 5.0,
+            "perplexity": [{"variant": v, "length": 2048, "windows": 1, "nll": x} for v, x in (nll or {}).items()]}
+
+
+def test_merge_joins_variants_on_the_same_examples():
+    old = _run(["dense", "A = 0, 1/4", "fitted, 1/4"], {"dense": (1, 1), "A = 0, 1/4": (0, 1), "fitted, 1/4": (1, 0)},
+               nll={"dense": 2.0, "A = 0, 1/4": 2.1})
+    new = _run(["dense", "ranked, 1/4"], {"dense": (1, 1), "ranked, 1/4": (1, 1)},
+               nll={"dense": 2.0, "ranked, 1/4": 2.05})
+    merged = merge([old, new])
+    assert [r["variant"] for r in merged["results"]] == ["dense", "A = 0, 1/4", "fitted, 1/4", "ranked, 1/4"]
+    assert merged["lengths"] == [2048] and len(merged["examples"]) == 2
+    ex = merged["examples"][1]
+    assert ex["right"] == {"dense": 1, "A = 0, 1/4": 1, "fitted, 1/4": 0, "ranked, 1/4": 1}
+    assert ex["reply"]["ranked, 1/4"] == "ranked, 1/4 1" and ex["select"]["ranked, 1/4"] == {"entering": 1}
+    assert old["examples"][1]["right"] == {"dense": 1, "A = 0, 1/4": 1, "fitted, 1/4": 0}  # inputs untouched
+    ppl = {p["variant"]: p for p in merged["perplexity"]}
+    assert list(ppl) == ["dense", "A = 0, 1/4", "ranked, 1/4"]
+    assert ppl["ranked, 1/4"]["ratio_to_dense"] == pytest.approx(math.exp(0.05))
+    kept = drop_variants(merged, ["fitted", "A = 0"])
+    assert [r["variant"] for r in kept["results"]] == ["dense", "ranked, 1/4"]
+    assert [p["variant"] for p in kept["perplexity"]] == ["dense", "ranked, 1/4"]
+    assert kept["examples"][1]["right"] == {"dense": 1, "ranked, 1/4": 1}
+    assert drop_variants(merged, ["dense"])["results"][0]["variant"] == "dense"  # dense stays
+    with pytest.raises(SystemExit, match="other examples"):
+        merge([old, _run(["dense", "x, 1/4"], {"dense": (1, 1), "x, 1/4": (1, 1)}, digests=("a", "c"))])
+    with pytest.raises(SystemExit, match="dense answers differently"):
+        merge([old, _run(["dense", "x, 1/4"], {"dense": (0, 1), "x, 1/4": (1, 1)})])
+    with pytest.raises(SystemExit, match="other windows"):
+        merge([old, _run(["dense", "x, 1/4"], {"dense": (1, 1), "x, 1/4": (1, 1)}, nll={"dense": 2.5})])
+
+
+def test_no_a0_needs_a_checkpoint_and_drop_needs_merge(capsys):
+    with pytest.raises(SystemExit):
+        bench_longctx.main(["--no-a0"])
+    assert "leaves only dense" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_longctx.main(["--drop", "x"])
+    assert "--drop works with --merge" in capsys.readouterr().err
+
+
 def test_merge_names_an_unreadable_report(tmp_path):
     with pytest.raises(SystemExit, match="cannot read the report .*missing.json"):
         bench_longctx.main(["--merge", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o.json")])
@@ -130,3 +179,41 @@ def test_tiny_run_full_budget_replies_as_dense_and_dense_is_cached(real_checkpoi
     again = json.loads((tmp_path / "r.json").read_text())
     assert again["results"][0]["seconds"] == 0
     assert [e["reply"] for e in again["examples"]] == [e["reply"] for e in report["examples"]]
+
+
+def test_sweep_fit_settings_are_parsed_with_clear_errors():
+    import sweep_fit
+
+    assert sweep_fit.parse_setting("rank=1,tau=0.02,rows=12") == {"rank": 1.0, "tau": 0.02, "rows": 12}
+    for bad in ("rank", "depth=3", "rows=1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="rank|depth|rows"):
+            sweep_fit.parse_setting(bad)
+
+
+@pytest.mark.real
+def test_sweep_fit_end_to_end_on_the_real_model(real_checkpoint, real_tokenizer, tmp_path):
+    """Two settings refitted from one capture; at a budget of every block the coverage is exactly 1,
+    and the answer block found for each example holds the answer's text."""
+    import sweep_fit
+
+    from nosa.train import prose, ruler
+
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                          "configs", "train", "smollm2.yaml")
+    common = ["--config", config, f"model.path={real_checkpoint}",
+              f"data.ruler.dir={tmp_path}/data", "seq_len=512", "data.ruler.tasks=[qa, niah_single]",
+              "data.ruler.train_examples=1", "distill_rows=2", "--tasks", "qa", "niah_single", "--lengths", "512",
+              "--examples", "1", "--settings", "rank=0,steps=5", "rank=1,steps=5"]
+    assert sweep_fit.main(common + ["--share", "1", "--out", str(tmp_path / "full.json")]) == 0
+    full = json.loads((tmp_path / "full.json").read_text())
+    assert [r["setting"].split(",")[0] for r in full["results"]] == ["rank=0.0", "rank=1.0"]
+    assert full["captured_rows"] == 2 and len(full["examples"]) == 2
+    for r in full["results"]:
+        assert r["mean"] == pytest.approx(1.0)
+    _, heldout = prose.split(prose.documents(prose.FIXED_SOURCES))
+    haystack = ruler.Haystack(real_tokenizer, [d.text for d in heldout])
+    for found in full["examples"]:
+        (ex,) = ruler.make_examples(real_tokenizer, haystack, found["task"], 512, 1, 1)
+        b = found["block"]
+        text = real_tokenizer.decode(ex.prompt_ids[b * 32: (b + 2) * 32])
+        assert ruler.normalise(ex.references[0]) in ruler.normalise(text)
