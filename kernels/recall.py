@@ -33,14 +33,19 @@ _WIDE = tuple((wide, wide.itemsize) for wide in (torch.int64, torch.int32, torch
 CHUNK_BYTES = 1 << 19  # staging per pair and chunk: stays in L2 between gather and scatter
 
 
-def _check(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx: torch.Tensor, src_idx: torch.Tensor):
-    if len(dst) != len(src) or not dst:
-        raise ValueError(f"copy_items: need as many dst as src tensors (>= 1), got {len(dst)} and {len(src)}")
+def check_indices(dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
+    """copy_items' index lists: 1-D int64 and of one length (every path checks these per call)."""
     for name, idx in (("dst_idx", dst_idx), ("src_idx", src_idx)):
         if idx.dim() != 1 or idx.dtype != torch.int64:
             raise ValueError(f"copy_items: {name} must be a 1-D int64 tensor, got {idx.dtype} {tuple(idx.shape)}")
     if dst_idx.shape != src_idx.shape:
         raise ValueError(f"copy_items: dst_idx {tuple(dst_idx.shape)} and src_idx {tuple(src_idx.shape)} differ")
+
+
+def _check(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx: torch.Tensor, src_idx: torch.Tensor):
+    if len(dst) != len(src) or not dst:
+        raise ValueError(f"copy_items: need as many dst as src tensors (>= 1), got {len(dst)} and {len(src)}")
+    check_indices(dst_idx, src_idx)
     for i, (d, s) in enumerate(zip(dst, src)):
         if d.dtype != s.dtype:
             raise ValueError(f"copy_items: pair {i}: dst dtype {d.dtype} != src dtype {s.dtype}")

@@ -32,33 +32,34 @@ inline int64_t item_of(const int64_t* col_of_row, int64_t slot, int64_t h, int64
     return (q * hkv + h) * home + m;
 }
 
-}  // namespace
-
-extern "C" {
-
-// Item src_idx[m] -> dst_idx[m] of every buffer pair where src_idx[m] >= 0 (nosa.ops.copy_items on
-// CPU: the recall, the scheduler's demand and prefetch copies, a prefill's block gather). Returns -1,
-// copying nothing, if such an index is outside [0, dst_items) / [0, src_items); else 0.
-int64_t nosa_copy_items(int64_t nbufs, char* const* dst, char* const* src, const int64_t* item_bytes, int64_t M,
-                        const int64_t* dst_idx, const int64_t* src_idx, int64_t dst_items, int64_t src_items) {
+// Every entry m with src_idx[m] >= 0 inside [0, src_items) and its dst_idx[m] inside [0, dst_items).
+inline bool items_in_range(int64_t M, const int64_t* dst_idx, const int64_t* src_idx, int64_t dst_items,
+                           int64_t src_items) {
     for (int64_t m = 0; m < M; ++m)
-        if (src_idx[m] >= 0 && (src_idx[m] >= src_items || dst_idx[m] < 0 || dst_idx[m] >= dst_items)) return -1;
+        if (src_idx[m] >= 0 && (src_idx[m] >= src_items || dst_idx[m] < 0 || dst_idx[m] >= dst_items)) return false;
+    return true;
+}
+
+// Every wanted block's item inside [0, dev_items) (the tail blocks the new tokens go to among them).
+inline bool tail_items_in_range(int64_t n, const int64_t* wanted, const int64_t* item, int64_t dev_items) {
+    for (int64_t o = 0; o < n; ++o)
+        if (wanted[o] >= 0 && item[o] >= dev_items) return false;
+    return true;
+}
+
+// nosa_copy_items' copy, its indices checked.
+inline void copy_checked(int64_t nbufs, char* const* dst, char* const* src, const int64_t* item_bytes, int64_t M,
+                         const int64_t* dst_idx, const int64_t* src_idx) {
     for (int64_t b = 0; b < nbufs; ++b)
         for (int64_t m = 0; m < M; ++m)
             if (src_idx[m] >= 0)
                 std::memcpy(dst[b] + dst_idx[m] * item_bytes[b], src[b] + src_idx[m] * item_bytes[b], item_bytes[b]);
-    return 0;
 }
 
-// Each request's new token into its tail block's slot (write-through; after the recall, which
-// would overwrite it): item [R, H, W] from nosa_resolve_layer; the dump row where the tail block is
-// not wanted, e.g. a padding row's. Returns -1, writing nothing, if a tail item is outside
-// [0, dev_items); else 0.
-int64_t nosa_write_tokens(int64_t R, int64_t H, int64_t W, int64_t B, const int64_t* wanted, const int64_t* lengths,
+// nosa_write_tokens' write, its items checked.
+inline void write_checked(int64_t R, int64_t H, int64_t W, int64_t B, const int64_t* wanted, const int64_t* lengths,
                           const int64_t* item, int64_t nbufs, char* const* dev, const int64_t* item_bytes,
-                          const char* const* new_tok, int64_t dump_row, int64_t dev_items) {
-    for (int64_t o = 0; o < R * H * W; ++o)
-        if (wanted[o] >= 0 && item[o] >= dev_items) return -1;
+                          const char* const* new_tok, int64_t dump_row) {
     for (int64_t r = 0; r < R; ++r) {
         const int64_t last = lengths[r] - 1, tail = last / B;
         for (int64_t h = 0; h < H; ++h) {
@@ -74,6 +75,31 @@ int64_t nosa_write_tokens(int64_t R, int64_t H, int64_t W, int64_t B, const int6
             }
         }
     }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Item src_idx[m] -> dst_idx[m] of every buffer pair where src_idx[m] >= 0 (nosa.ops.copy_items on
+// CPU: the recall, the scheduler's demand and prefetch copies, a prefill's block gather). Returns -1,
+// copying nothing, if such an index is outside [0, dst_items) / [0, src_items); else 0.
+int64_t nosa_copy_items(int64_t nbufs, char* const* dst, char* const* src, const int64_t* item_bytes, int64_t M,
+                        const int64_t* dst_idx, const int64_t* src_idx, int64_t dst_items, int64_t src_items) {
+    if (!items_in_range(M, dst_idx, src_idx, dst_items, src_items)) return -1;
+    copy_checked(nbufs, dst, src, item_bytes, M, dst_idx, src_idx);
+    return 0;
+}
+
+// Each request's new token into its tail block's slot (write-through; after the recall, which
+// would overwrite it): item [R, H, W] from nosa_resolve_layer; the dump row where the tail block is
+// not wanted, e.g. a padding row's. Returns -1, writing nothing, if a tail item is outside
+// [0, dev_items); else 0.
+int64_t nosa_write_tokens(int64_t R, int64_t H, int64_t W, int64_t B, const int64_t* wanted, const int64_t* lengths,
+                          const int64_t* item, int64_t nbufs, char* const* dev, const int64_t* item_bytes,
+                          const char* const* new_tok, int64_t dump_row, int64_t dev_items) {
+    if (!tail_items_in_range(R * H * W, wanted, item, dev_items)) return -1;
+    write_checked(R, H, W, B, wanted, lengths, item, nbufs, dev, item_bytes, new_tok, dump_row);
     return 0;
 }
 
@@ -109,9 +135,9 @@ int64_t nosa_resolve_layer(
     int32_t* out_fill,          // [R, H, W] tokens of each block before the sequence's end
     int64_t* miss_dst,          // [R*H*W] demand misses: device item, host item
     int64_t* miss_src,
-    int64_t* empty_out,
+    int64_t* empty_out,         // [1]: slots with a column but no block left in the counted rows' groups
     int64_t dev_items,          // items in each device / host buffer: an index outside them makes the
-    int64_t host_items) {       // call return -1 before it copies anything       // [1]: slots with a column but no block left in the counted rows' groups
+    int64_t host_items) {       // call return -1 before it copies anything
     // the slot maps of the step's groups as they were before (rows may share the spare group)
     std::vector<int64_t> before(R * H * NS);
     for (int64_t r = 0; r < R; ++r)
@@ -202,12 +228,11 @@ int64_t nosa_resolve_layer(
     for (int64_t m = M; m < R * H * W; ++m) miss_dst[m] = miss_src[m] = -1;
     for (int64_t m = 0; m < M; ++m)
         if (miss_dst[m] < 0 || miss_dst[m] >= dev_items || miss_src[m] < 0 || miss_src[m] >= host_items) return -1;
-    if (do_copy) {
-        nosa_copy_items(nbufs, dev, host, item_bytes, M, miss_dst, miss_src, dev_items, host_items);
-        if (new_tok != nullptr &&
-            nosa_write_tokens(R, H, W, B, wanted, lengths, out_item, nbufs, dev, item_bytes, new_tok, dump_row,
-                              dev_items) < 0)
-            return -1;
+    if (do_copy) {  // the misses were checked just above; the tail items before anything is copied
+        if (new_tok != nullptr && !tail_items_in_range(R * H * W, wanted, out_item, dev_items)) return -1;
+        copy_checked(nbufs, dev, host, item_bytes, M, miss_dst, miss_src);
+        if (new_tok != nullptr)
+            write_checked(R, H, W, B, wanted, lengths, out_item, nbufs, dev, item_bytes, new_tok, dump_row);
     }
     counts[0] += 1;
     counts[1] += sel_total;

@@ -24,6 +24,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from nosa.kernels.recall import check_indices
+
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("resolve_cpu.cpp")
 _LOCK = threading.Lock()
@@ -230,10 +232,7 @@ def copy_items(dst: list[torch.Tensor], src: list[torch.Tensor], dst_idx: torch.
     """nosa.ops.copy_items for CPU tensors: one memcpy per item and buffer, entries with src_idx < 0
     left out. The buffers are checked the first time a pair is seen (contiguous, matching items)."""
     dst_ptrs, src_ptrs, item_bytes = _pair(dst, src)
-    if dst_idx.dtype != torch.int64 or src_idx.dtype != torch.int64 or dst_idx.shape != src_idx.shape \
-            or dst_idx.dim() != 1:
-        raise ValueError(f"copy_items: dst_idx and src_idx must be equal 1-D int64 lists, got {dst_idx.dtype} "
-                         f"{tuple(dst_idx.shape)} and {src_idx.dtype} {tuple(src_idx.shape)}")
+    check_indices(dst_idx, src_idx)
     dst_idx, src_idx = _dense(dst_idx), _dense(src_idx)
     done = library().nosa_copy_items(len(dst), dst_ptrs, src_ptrs, item_bytes.data_ptr(), dst_idx.numel(),
                                      dst_idx.data_ptr(), src_idx.data_ptr(), dst[0].shape[0], src[0].shape[0])

@@ -90,8 +90,10 @@ def merge(reports: list[dict]) -> dict:
             if r.get(key) != first.get(key):
                 raise SystemExit(f"bench_longctx --merge: the reports differ in {key!r}: "
                                  f"{first.get(key)!r} vs {r.get(key)!r}")
-    by_variants = all(r["lengths"] == first["lengths"] and set(_variants(r)) - {"dense"} != set(_variants(first))
-                      - {"dense"} for r in reports[1:]) and len(reports) > 1
+    def new_variants(r: dict) -> bool:  # the same lengths, other variants than the first report's
+        return r["lengths"] == first["lengths"] and set(_variants(r)) - {"dense"} != set(_variants(first)) - {"dense"}
+
+    by_variants = len(reports) > 1 and all(new_variants(r) for r in reports[1:])
     out = _join_variants(reports) if by_variants else _join_lengths(reports)
     out.update(seconds=max(r["seconds"] for r in reports), seconds_parts=[r["seconds"] for r in reports])
     return out
@@ -149,7 +151,7 @@ def _join_variants(reports: list[dict]) -> dict:
                 [(e["length"], e["task"], e["digest"]) for e in examples]:
             raise SystemExit("bench_longctx --merge: the reports have the same lengths but other examples "
                              "(--examples, --tasks or the prompts differ)")
-        have = set(_variants({"results": results, "lengths": first["lengths"]}))
+        have = {row["variant"] for row in results}
         for mine, theirs in zip(examples, r["examples"]):
             a, b = mine["right"].get("dense"), theirs["right"].get("dense")
             if a is not None and b is not None and a != b:

@@ -71,13 +71,13 @@ def capture_examples(model, fit_cfg, examples, tokenizer, block_size: int) -> li
     from nosa.train.metrics import dense_probs
 
     out = []
+    nosa.convert(model, dataclasses.replace(fit_cfg, dense_len=max(len(ex.prompt_ids) for ex in examples)))
     for ex in examples:
         block = answer_block(tokenizer, ex, block_size)
         if block is None:
             print(f"sweep_fit: {ex.task} example {ex.index} at {ex.length}: answer not found in the context; skipped")
             continue
         ids = torch.tensor(ex.prompt_ids)
-        nosa.convert(model, dataclasses.replace(fit_cfg, dense_len=len(ids) + 1))
         with torch.no_grad(), capture_attention_inputs(model) as captured:
             model(input_ids=ids[None])
         layers = {}

@@ -180,14 +180,16 @@ class WindowRank:
     tau: float = 0.02
     rows_per_step: int = 4
 
-    def loss(self, proj, x, target, valid, gen) -> torch.Tensor:
-        starts = [0]
+    def __post_init__(self):
+        self.starts = [0]
         for n in self.lengths[:-1]:
-            starts.append(starts[-1] + n)
+            self.starts.append(self.starts[-1] + n)
+
+    def loss(self, proj, x, target, valid, gen) -> torch.Tensor:
         pick = torch.randint(len(self.lengths), (self.rows_per_step,), generator=gen, device=x.device)
         total, count = x.new_zeros(()), 0
         for r in pick.tolist():
-            rows = slice(starts[r], starts[r] + self.lengths[r])
+            rows = slice(self.starts[r], self.starts[r] + self.lengths[r])
             score = compress_windows(F.softplus(proj(x[rows])), self.cfg)  # [C, Hkv]
             whole = compress_windows(valid[rows].to(x.dtype), self.cfg) == 1  # every token has a target
             mass = compress_windows(target[rows], self.cfg).masked_fill(~whole, 0.0)
