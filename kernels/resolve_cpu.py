@@ -1,6 +1,6 @@
 """A decode layer's resolve through the device block cache as one CPU kernel (resolve_cpu.cpp).
 
-The torch code of nosa.serve.offload.block_cache.DeviceBlockCache.resolve_step is the spec (it is
+The torch code of nosa.serve.offload.resolve.ResolveStep.resolve_step is the spec (it is
 what a GPU and a captured step run); this is the same step for a CPU server, where that code's ~190
 small ops per layer cost more in dispatch than the copy itself. The C++ file is compiled on first use
 with the system's C++ compiler (``$CXX``, else ``c++``; about a second) into
@@ -32,7 +32,7 @@ _LOCK = threading.Lock()
 _STATE: dict = {}  # "lib": the loaded library, or "error": why it could not be built
 
 
-class _Table(NamedTuple):  # the fields of nosa.serve.offload.block_cache.PageTable
+class _Table(NamedTuple):  # the fields of nosa.serve.offload.resolve.PageTable
     req_to_token: torch.Tensor
     rows: torch.Tensor
 
@@ -160,7 +160,7 @@ def resolve_layer(blocks: torch.Tensor, col_of: torch.Tensor, groups: torch.Tens
     copies ``miss_dst`` / ``miss_src``, then calls ``write_tokens``), counts [7],
     max_warm_misses [] and group_misses [G+1]. Index tensors are int64, warm / real bool. ``pages``:
     the host page of each wanted block [R, Hkv, W], or a table to look them up in
-    (nosa.serve.offload.block_cache.PageTable: req_to_token int32 [rows, max_ctx], rows [R])."""
+    (nosa.serve.offload.resolve.PageTable: req_to_token int32 [rows, max_ctx], rows [R])."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"nosa: the CPU resolve kernel is unavailable: {_STATE.get('error')}")

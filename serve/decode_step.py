@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from nosa.decode import DecodeBlocks, attend_resolved, read_blocks, read_width
 from nosa.kv import PagedKV, paged_rows
-from nosa.serve.offload.block_cache import NewTokens
+from nosa.serve.offload.resolve import NewTokens
 from nosa.serve.step import DecodeBuffers, DecodeInputs, DecodeSpans, ForwardStep, captured
 from nosa.state_pool import DecodeStatePool
 

@@ -9,7 +9,10 @@ One module per part, in the order a decode step meets them:
   per-layer view, prefetch, end of step, release, counters);
 - ``kv``: OffloadKV, the KV view (nosa.kv) a layer reads through, and the prefetch's guess of a
   step's selection (``predicted_blocks``);
-- ``block_cache``: DeviceBlockCache, the slot diff, the one batched recall and the write-through;
+- ``block_cache``: DeviceBlockCache, the device slots of every request and KV head, their columns
+  (admission), the prefetch's placement and the host side of a resolve;
+- ``resolve``: the device side of a resolve (the slot diff, the one batched recall, the
+  write-through, the counters): the torch spec and the CPU kernel's call;
 - ``recall``: RecallScheduler, interruptible layer-wise copies (prefetch of the next layer);
 - ``admission``: Admission, I/O-adaptive admission and extra-slot lending;
 - ``stats``: StepStats, per decode step and layer counters for the stats file, W&B and the dashboard.

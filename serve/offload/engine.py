@@ -10,7 +10,8 @@ link) and the step counters. The backend then calls, per forward pass:
 - ``view(layer, step)``: the layer's KV view (OffloadKV) for host-side reads (a prefill, a
   decode state catching up);
 - ``resolve(layer, wanted, inputs, new_tokens)``: a decode layer's blocks through the device
-  block cache, on fixed shapes (DeviceBlockCache.resolve_step; a captured step runs it as is);
+  block cache, on fixed shapes (DeviceBlockCache.resolve_step, nosa.serve.offload.resolve; a
+  captured step runs it as is);
 - ``prefetch(layer, step, states)``: while layer - 1 attends, layer's predicted blocks start
   moving (with the recall scheduler, in steps that are not captured: a captured step cannot
   hand copies to a thread; it recalls its misses itself);
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 import logging
 
-from nosa.serve.offload.block_cache import DeviceBlockCache, NewTokens, PageTable, host_pages
+from nosa.serve.offload.block_cache import DeviceBlockCache
+from nosa.serve.offload.resolve import NewTokens, PageTable, host_pages
 from nosa.serve.offload.kv import OffloadKV, predicted_blocks
 from nosa.serve.offload.settings import OffloadSettings
 from nosa.serve.offload.stats import StepRecord, StepStats

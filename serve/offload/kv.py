@@ -5,7 +5,7 @@
 - ``gather_blocks``: a prefill chunk's union of blocks, copied from the host pool into a working
   buffer as whole (block, KV head) items (the context is never resident as a whole);
 - ``resolve``: the decode step's blocks through the device block cache (diff, one batched recall,
-  write-through of the new token; nosa.serve.offload.block_cache).
+  write-through of the new token; nosa.serve.offload.block_cache and .resolve).
 ``predicted_blocks`` is the guess of a decode step's selection that the next layer's prefetch
 copies ahead (nosa.serve.offload.engine). Every read goes through nosa.ops.copy_items, which on
 CUDA reads the pinned host pool directly.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from nosa import ops
-from nosa.serve.offload.block_cache import NewTokens, host_pages
+from nosa.serve.offload.resolve import NewTokens, host_pages
 
 
 class OffloadKV:
