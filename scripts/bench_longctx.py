@@ -48,184 +48,19 @@ JSON (``--out``), a markdown table (stdout) and, with ``--plot``, a PNG.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
-from fractions import Fraction
 
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _longctx_run import PPL_TAIL, DenseCache, Variant, context_kv, file_digest, perplexity_nll, run_variant, same_base  # noqa: E402
 from _suite_config import PICKS, budget_config, picks_share  # noqa: E402
-
-PPL_TAIL = 1024  # perplexity: tokens scored at the end of each window (half the window if shorter)
-
-
-@dataclass
-class Variant:
-    name: str  # "dense", "A = 0, 1/4", "<label>, 1/8", "<label>, 1/8, picks 1/8"
-    model: object  # transformers model; dense and A = 0 variants share one
-    share: int | None  # budget = 1/share of the context's blocks; None: dense attention
-    base: str  # variants with one base share the dense context prefill
-    picks: Fraction = PICKS  # share of the budget for free query-aware picks
-
-    def config(self, length: int):
-        """This variant's NosaConfig at ``length`` tokens (None: dense)."""
-        return None if self.share is None else budget_config(length, self.share, self.picks)
-
-    def prepare(self, length: int):
-        """Set the model's attention for this variant at ``length``; returns its NosaConfig (None: dense)."""
-        import nosa
-
-        cfg = self.config(length)
-        if cfg is None:
-            self.model.set_attn_implementation("sdpa")
-            return None
-        nosa.convert(self.model, cfg)  # keeps the model's eviction heads, sets the budget
-        return cfg  # (every run starts with a prefill of several rows, which drops old decode states)
-
-
-def file_digest(folder: str) -> str:
-    """sha256 over a checkpoint's config.json and weight files: the key of its cached results."""
-    digest = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
-        if name == "config.json" or name.endswith(".safetensors"):
-            with open(os.path.join(folder, name), "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 22), b""):
-                    digest.update(chunk)
-    return digest.hexdigest()
-
-
-def same_base(a, b) -> bool:
-    """Whether two models have equal weights apart from the eviction heads."""
-    from nosa.eviction import MODULE_NAME
-
-    sa = {k: v for k, v in a.state_dict().items() if f".{MODULE_NAME}." not in k}
-    sb = {k: v for k, v in b.state_dict().items() if f".{MODULE_NAME}." not in k}
-    return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape and sa[k].equal(sb[k]) for k in sa)
-
-
-class DenseCache:
-    """Dense results by (checkpoint digest, content key), in one JSON file per checkpoint."""
-
-    def __init__(self, folder: str | None, model_digest: str):
-        self.path = os.path.join(folder, f"dense-{model_digest[:16]}.json") if folder else None
-        self.data = {}
-        if self.path and os.path.isfile(self.path):
-            with open(self.path) as f:
-                self.data = json.load(f)
-
-    def get(self, key: str):
-        return self.data.get(key)
-
-    def put(self, key: str, value) -> None:
-        self.data[key] = value
-        if self.path:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            with open(self.path + ".tmp", "w") as f:
-                json.dump(self.data, f)
-            os.replace(self.path + ".tmp", self.path)
-
-
-def context_kv(model, ids):
-    """Dense prefill of ids [T] with ``model``: per-layer (keys, values) of its KV cache."""
-    import torch
-
-    with torch.no_grad():
-        out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
-    return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-
-
-def cache_from(model, kv):
-    """A new transformers DynamicCache holding ``kv`` (None: empty); ``kv`` stays untouched."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    for i, (k, v) in enumerate(kv or []):
-        cache.update(k, v, i)
-    return cache
-
-
-def run_variant(variant: Variant, length: int, ex, kv, eos: int, settled) -> dict:
-    """Greedy reply of one variant to one example, continuing from the context KV ``kv`` (None:
-    prefill the whole prompt), and the selection statistics of its decode steps (sparse variants).
-    Decoding stops at ``eos``, after ``ex.max_new_tokens`` tokens, or once ``settled(tokens)``
-    (the reply is right whatever follows: more tokens cannot change its score)."""
-    import torch
-
-    from nosa.hf import capture_attention_inputs
-
-    cfg = variant.prepare(length)
-    start = ex.context_end if kv is not None else 0
-    cache = cache_from(variant.model, kv)
-    ids = torch.tensor(ex.prompt_ids[start:])[None]
-    rows: dict[str, list] = {}
-    tokens = []
-    with torch.no_grad(), capture_attention_inputs(variant.model) if cfg else contextlib.nullcontext() as captured:
-        out = variant.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        while True:
-            for name, (q, _, _) in (captured or {}).items():
-                rows.setdefault(name, []).append(q[-1:])
-            tokens.append(int(out.logits[0, -1].argmax()))
-            if tokens[-1] == eos or len(tokens) == ex.max_new_tokens or settled(tokens):
-                break
-            out = variant.model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
-        final = dict(captured or {})
-    result = {"tokens": tokens}
-    if cfg is not None:
-        result["select"] = decode_selection_stats(variant.model, rows, final, cfg)
-    return result
-
-
-def decode_selection_stats(model, rows: dict, final: dict, cfg) -> dict:
-    """Sums over layers and KV heads for the decode rows q (one per step) of each layer: blocks
-    entering between consecutive steps, step transitions, blocks selected after the first step,
-    the largest entry count, and the dense mass inside the selection (sum over layers)."""
-    import torch
-
-    from nosa import nosa_prefill
-    from nosa.eviction import MODULE_NAME
-    from nosa.select import blocks_entering
-    from nosa.train.metrics import selection_mass
-
-    stats = {"entering": 0, "transitions": 0, "selected": 0, "entering_max": 0, "mass": 0.0, "layers": 0}
-    for name, qs in rows.items():
-        q = torch.cat(qs)  # [n, Hq, D]: rows at positions L - n .. L - 1 of the final cache
-        _, k, v = final[name]
-        attn = model.get_submodule(name)
-        with torch.no_grad():
-            _, sel = nosa_prefill(q, k, v, getattr(attn, MODULE_NAME)(v), cfg, attn.scaling)  # [n, Hkv, K]
-        positions = torch.arange(k.shape[0] - q.shape[0], k.shape[0])
-        stats["mass"] += selection_mass(q, k, sel, positions, cfg, attn.scaling)
-        stats["layers"] += 1
-        if q.shape[0] > 1:
-            enter = blocks_entering(sel[:-1], sel[1:])  # [n - 1, Hkv]
-            stats["entering"] += int(enter.sum())
-            stats["transitions"] += enter.numel()
-            stats["selected"] += int((sel[1:] >= 0).sum())
-            stats["entering_max"] = max(stats["entering_max"], int(enter.max()))
-    return stats
-
-
-def perplexity_nll(variant: Variant, length: int, window, tail: int, kv) -> float:
-    """Mean next-token loss over the last ``tail`` tokens of ``window`` [length]; the first
-    ``length - tail - 1`` tokens come from ``kv`` (dense prefill) or, with kv None, from the
-    variant's own prefill."""
-    import torch
-    import torch.nn.functional as F
-
-    variant.prepare(length)
-    start = length - tail - 1 if kv is not None else 0
-    with torch.no_grad():
-        out = variant.model(input_ids=window[start:-1][None], past_key_values=cache_from(variant.model, kv),
-                            use_cache=True, logits_to_keep=tail)
-    return float(F.cross_entropy(out.logits[0].float(), window[-tail:]))
 
 
 def load_variants(args):

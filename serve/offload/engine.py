@@ -28,8 +28,8 @@ from __future__ import annotations
 import logging
 
 from nosa.serve.offload.block_cache import DeviceBlockCache
-from nosa.serve.offload.resolve import NewTokens, PageTable, host_pages
 from nosa.serve.offload.kv import OffloadKV, predicted_blocks
+from nosa.serve.offload.resolve import NewTokens, PageTable, host_pages
 from nosa.serve.offload.settings import OffloadSettings
 from nosa.serve.offload.stats import StepRecord, StepStats
 from nosa.serve.step import captured

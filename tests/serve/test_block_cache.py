@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("sglang")
 
 from nosa.serve.offload.block_cache import DeviceBlockCache  # noqa: E402
-from nosa.serve.offload.resolve import NewTokens  # noqa: E402
 from nosa.serve.offload.host_pool import HostKVPool  # noqa: E402
+from nosa.serve.offload.resolve import NewTokens  # noqa: E402
 from nosa.serve.offload.settings import OffloadSettings  # noqa: E402
 
 B, HKV, D = 4, 2, 3

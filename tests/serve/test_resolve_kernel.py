@@ -11,8 +11,8 @@ import torch
 
 from nosa.kernels import resolve_cpu
 from nosa.serve.offload.block_cache import DeviceBlockCache
-from nosa.serve.offload.resolve import NewTokens, PageTable
 from nosa.serve.offload.recall import RecallScheduler
+from nosa.serve.offload.resolve import NewTokens, PageTable
 
 B, HKV, D, PAGES = 4, 2, 3, 200
 
