@@ -61,6 +61,18 @@ def answer_block(tokenizer, ex, block_size: int) -> int | None:
     return None
 
 
+def write_report(report: dict, out: str) -> None:
+    """``report`` with the environment added, written to ``out`` as JSON (whole or not at all)."""
+    import torch
+
+    report["env"] = {"torch": torch.__version__, "python": platform.python_version(),
+                     "threads": torch.get_num_threads()}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(out + ".tmp", out)
+
+
 def capture_examples(model, fit_cfg, examples, tokenizer, block_size: int) -> list[dict]:
     """Per example: the answer block, and per layer the last prompt row's q, the keys and values,
     and the dense attention probabilities of that row (the model runs densely)."""
@@ -79,7 +91,7 @@ def capture_examples(model, fit_cfg, examples, tokenizer, block_size: int) -> li
             continue
         ids = torch.tensor(ex.prompt_ids)
         with torch.no_grad(), capture_attention_inputs(model) as captured:
-            model(input_ids=ids[None])
+            model(input_ids=ids[None], logits_to_keep=1)
         layers = {}
         for name, (q, k, v) in captured.items():
             probs = dense_probs(q[-1:], k, torch.tensor([len(ids) - 1]), model.get_submodule(name).scaling)[0]
@@ -133,7 +145,6 @@ def main(argv=None) -> int:
         parser.error(f"--examples needs one number or one per length ({len(args.lengths)})")
     counts = args.examples * len(args.lengths) if len(args.examples) == 1 else args.examples
 
-    import torch
     from transformers import AutoTokenizer
 
     import nosa
@@ -192,13 +203,8 @@ def main(argv=None) -> int:
               "examples_per_task": dict(zip(map(str, args.lengths), counts)),
               "examples": [{k: ex[k] for k in ("task", "length", "index", "block")} for ex in captured],
               "metric": "answer-block coverage (module docstring)", "results": results,
-              "capture_seconds": round(capture_seconds, 1),
-              "env": {"torch": torch.__version__, "python": platform.python_version(),
-                      "threads": torch.get_num_threads()}}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(args.out + ".tmp", args.out)
+              "capture_seconds": round(capture_seconds, 1)}
+    write_report(report, args.out)
     keys = list(results[0]["coverage"]) if results else []
     print("\n| setting | " + " | ".join(keys) + " | mean |\n|---|" + "---|" * (len(keys) + 1))
     for r in results:

@@ -102,7 +102,8 @@ def capture_fit_inputs(model, rows, cfg: NosaConfig, answer_weight: float = 1.0,
             if "labels" in row:
                 weight = row_weights(row["labels"], row["answers"], answer_weight)[: len(ids)]
             with capture_attention_inputs(model) as captured:
-                model(input_ids=ids[None].to(device))
+                # only the attention inputs are read: the LM head runs on one row, not all of them
+                model(input_ids=ids[None].to(device), logits_to_keep=1)
             for name, (q, k, v) in captured.items():
                 attn = model.get_submodule(name)
                 target, valid = attention_targets(q.cpu(), k.cpu(), cfg, attn.scaling, weight)

@@ -217,3 +217,59 @@ def test_sweep_fit_end_to_end_on_the_real_model(real_checkpoint, real_tokenizer,
         b = found["block"]
         text = real_tokenizer.decode(ex.prompt_ids[b * 32: (b + 2) * 32])
         assert ruler.normalise(ex.references[0]) in ruler.normalise(text)
+
+
+def test_probe_ranking_static_order_is_the_selections():
+    """probe_ranking's order of the heads (pooled score, block mean, lower index) picks exactly the
+    blocks select_blocks ranks into the budget, ties included."""
+    import probe_ranking
+
+    from nosa.config import NosaConfig
+    from nosa.select import select_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    cfg = NosaConfig(block_size=4, compress_kernel=4, compress_stride=2, sink_blocks=1, window_blocks=2,
+                     topk_blocks=7, query_blocks=0, dense_len=0)
+    nb = 20
+    for trial in range(50):
+        # few distinct values: ties in the pooled score and in the block mean
+        evict = torch.randint(0, 3, (1, 2, nb, 2), generator=gen).float()
+        position = torch.tensor([nb * 4 - 1])
+        chosen = select_blocks(torch.zeros(1, 2, nb), evict, position, cfg)[0]
+        forced = {0, nb - 2, nb - 1}
+        for h in range(2):
+            order = [b for b in probe_ranking.static_order(evict[0, h]) if b not in forced]
+            assert set(order[: cfg.topk_blocks - len(forced)]) | forced == set(chosen[h].tolist()), trial
+
+
+@pytest.mark.real
+def test_probe_ranking_end_to_end_on_the_real_model(dense_model_once, real_checkpoint, tmp_path):
+    """At a budget of every block the answer is always inside the selection; at any budget, what the
+    heads rank into the budget and what the picks find is inside it (the locality theorem's part of
+    the selection that is fixed before the rest is filled)."""
+    import copy
+
+    import probe_ranking
+    from _suite_config import budget_config
+
+    import nosa
+    from nosa.tiny import set_eviction_heads
+
+    model = copy.deepcopy(dense_model_once)
+    nosa.convert(model, budget_config(512, 1))
+    set_eviction_heads(model, scale=0.5, std=0.3, seed=0, bias_std=0.3)
+    model.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "probe.json"
+    assert probe_ranking.main(["--checkpoint", str(tmp_path / "ckpt"), "--tokenizer", real_checkpoint, "--length",
+                               "512", "--shares", "1", "2", "--examples", "1", "--tasks", "qa", "niah_multikey",
+                               "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["task"], r["share"]) for r in rows) == [("niah_multikey", 1), ("niah_multikey", 2),
+                                                             ("qa", 1), ("qa", 2)]
+    for r in rows:
+        assert all(0 <= r[k] <= 1 + 1e-6 for k in ("forced", "ranked", "picked", "covered"))
+        assert r["covered"] >= r["forced"] + r["ranked"] - 1e-6 and r["covered"] >= r["forced"] + r["picked"] - 1e-6
+        if r["share"] == 1:
+            assert r["covered"] == pytest.approx(1.0)
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        probe_ranking.main(["--checkpoint", str(tmp_path / "missing"), "--out", str(out)])
