@@ -62,18 +62,20 @@ def probe(model, example: dict, share: int, inserted: set[int]) -> dict:
 
     cfg = budget_config(example["length"], share)
     b, size = example["block"], cfg.block_size
+    # every layer sees the same prompt: its blocks, the forced ones and the ranked slots are the example's
+    length = next(iter(example["layers"].values()))[1].shape[0]
+    nb, cur = cfg.num_blocks(length), (length - 1) // size
+    forced = set(range(cfg.sink_blocks)) | set(range(max(0, cur - cfg.window_blocks + 1), cur + 1))
+    ranked_slots = cfg.topk_blocks - len(forced) - cfg.query_blocks
     out = {"total": 0.0, "forced": 0.0, "ranked": 0.0, "picked": 0.0, "above": 0.0}
     for name, (q, k, v, probs) in example["layers"].items():
         attn = model.get_submodule(name)
-        length, hkv = k.shape[0], k.shape[1]
-        nb, cur = cfg.num_blocks(length), (length - 1) // size
-        forced = set(range(cfg.sink_blocks)) | set(range(max(0, cur - cfg.window_blocks + 1), cur + 1))
+        hkv = k.shape[1]
         with torch.no_grad():
             evict = block_eviction_scores(getattr(attn, MODULE_NAME)(v), cfg, nb)  # [Hkv, NB, 2]
             query = query_block_scores(q, compress_windows(k, cfg), torch.tensor([length - 1]), nb, cfg,
                                        attn.scaling)[0]  # [Hkv, NB]
         mass = probs[:, b * size : (b + 1) * size].sum(-1).reshape(hkv, -1).sum(-1)
-        ranked_slots = cfg.topk_blocks - len(forced) - cfg.query_blocks
         for h in range(hkv):
             m = float(mass[h])
             out["total"] += m
@@ -120,13 +122,13 @@ def main(argv=None) -> int:
     haystack = ruler.Haystack(tokenizer, [d.text for d in heldout])
     examples = [ex for task in args.tasks
                 for ex in ruler.make_examples(tokenizer, haystack, task, args.length, args.examples, args.seed)]
-    captured = capture_examples(model, budget_config(args.length, args.shares[0]), examples, tokenizer,
-                                budget_config(args.length, args.shares[0]).block_size)
+    capture_cfg = budget_config(args.length, args.shares[0])  # the capture runs densely; any share's blocks
+    size = capture_cfg.block_size
+    captured = capture_examples(model, capture_cfg, examples, tokenizer, size)
     by_index = {(ex.task, ex.index): ex for ex in examples}
     sums: dict[tuple[str, int], dict] = {}
     for cap in captured:
         ex = by_index[(cap["task"], cap["index"])]
-        size = budget_config(args.length, args.shares[0]).block_size
         texts = [tokenizer.decode(list(ex.prompt_ids[i : i + size])) for i in range(0, ex.context_end, size)]
         inserted = {i for i, t in enumerate(texts) if any(s in t for s in INSERTED)} - {cap["block"]}
         for share in args.shares:
