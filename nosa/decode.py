@@ -47,7 +47,7 @@ class NosaDecodeState:
 
     ``store``: where the compressed and static keys live, if not in the state's own growing
     buffers: an object with the methods of ``GrowingStore`` (the serving backend passes one row of
-    nosa.state_pool.DecodeStatePool, whose batched step then updates the keys in place).
+    nosa.state_pool.StatePool, whose batched step then updates the keys in place).
     """
 
     def __init__(self, cfg: NosaConfig, num_kv_heads: int, head_dim: int, device=None, store=None):
@@ -109,7 +109,7 @@ class NosaDecodeState:
 
     def advanced(self, length: int) -> None:
         """The state's store was brought to ``length`` tokens in place by a batched step the host
-        does not watch (nosa.state_pool.DecodeStatePool.advance): take the sizes that go with it."""
+        does not watch (nosa.state_pool.StatePool.advance): take the sizes that go with it."""
         self.length = length
         self.store.set_sizes(self.cfg.num_compressed(length), self.cfg.num_blocks(length))
 
@@ -219,7 +219,7 @@ def decode_select(states: Sequence[NosaDecodeState], q: torch.Tensor, scale: flo
     return sel
 
 
-class DecodeBlocks(NamedTuple):
+class WantedBlocks(NamedTuple):
     """What each sequence of a decode step reads: blocks [R, Hkv, W] (its selection, or every block
     for a sequence within dense_len; -1 padded), lengths [R] (its tokens) and dense [R] (bool: within
     dense_len, attended with no exp(cis) weighting)."""
@@ -229,7 +229,7 @@ class DecodeBlocks(NamedTuple):
     dense: torch.Tensor
 
 
-def decode_blocks(states: Sequence[NosaDecodeState], sel: torch.Tensor) -> DecodeBlocks:
+def decode_blocks(states: Sequence[NosaDecodeState], sel: torch.Tensor) -> WantedBlocks:
     """The blocks to resolve for selections ``sel`` [R, Hkv, K] (``decode_select``) of the states'
     last tokens: sequences above dense_len read only their selected blocks (K * block_size tokens
     per KV head), the others every block, as in ``nosa_prefill``."""
@@ -248,18 +248,18 @@ def read_width(cfg: NosaConfig) -> int:
     return max(cfg.topk_blocks, cfg.num_blocks(cfg.dense_len))
 
 
-def read_blocks(sel: torch.Tensor, lengths: torch.Tensor, cfg: NosaConfig, width: int) -> DecodeBlocks:
+def read_blocks(sel: torch.Tensor, lengths: torch.Tensor, cfg: NosaConfig, width: int) -> WantedBlocks:
     """``decode_blocks`` for tensors: selections sel [R, Hkv, K] of sequences of ``lengths`` [R]
     tokens, ``width`` (>= K, and >= the blocks of any sequence within dense_len) blocks per row.
     No host synchronisation: shapes depend on R and ``width`` only."""
     rows = sel.shape[0]
     dense = lengths <= cfg.dense_len  # [R]
     if width == sel.shape[-1] and cfg.dense_len == 0:
-        return DecodeBlocks(sel, lengths, dense)
+        return WantedBlocks(sel, lengths, dense)
     every = torch.arange(width, device=sel.device).expand(rows, sel.shape[1], width)
     every = torch.where(every < ((lengths - 1) // cfg.block_size + 1)[:, None, None], every, -1)
     padded = torch.nn.functional.pad(sel, (0, width - sel.shape[-1]), value=-1)
-    return DecodeBlocks(torch.where(dense[:, None, None], every, padded), lengths, dense)
+    return WantedBlocks(torch.where(dense[:, None, None], every, padded), lengths, dense)
 
 
 def attend_resolved(q: torch.Tensor, found, dense: torch.Tensor, block_size: int, scale: float,

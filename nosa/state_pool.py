@@ -1,4 +1,4 @@
-"""DecodeStatePool: the decode selection state of every running sequence, in buffers allocated once,
+"""StatePool: the decode selection state of every running sequence, in buffers allocated once,
 so that a decode step of the whole batch runs on fixed shapes (a captured CUDA graph, or SGLang's
 CPU graph runner under torch.compile) with no host synchronisation.
 
@@ -56,12 +56,12 @@ logger = logging.getLogger(__name__)
 SPARE_PAGE = 0
 
 
-class DecodeStatePool:
+class StatePool:
     def __init__(self, cfg: NosaConfig, num_layers: int, num_rows: int, num_kv_heads: int, head_dim: int,
                  max_context: int, num_pages: int, key_dtype: torch.dtype = torch.float32, device=None,
                  key_tails: bool = True):
         if cfg.block_size % cfg.compress_stride:
-            raise ValueError("DecodeStatePool: block_size must be a multiple of compress_stride (NosaConfig checks it)")
+            raise ValueError("StatePool: block_size must be a multiple of compress_stride (NosaConfig checks it)")
         self.cfg, self.num_layers, self.num_rows, self.hkv = cfg, num_layers, num_rows, num_kv_heads
         self.head_dim, self.device = head_dim, device
         self.per_page = cfg.block_size // cfg.compress_stride  # windows starting in one block
@@ -108,7 +108,7 @@ class DecodeStatePool:
     def open(self, row: int, layer: int) -> NosaDecodeState:
         """A fresh NosaDecodeState of ``layer`` over row ``row`` (its pages reset to no key)."""
         if not 0 < row < self.num_rows:
-            raise ValueError(f"DecodeStatePool.open: row {row} outside 1..{self.num_rows - 1}")
+            raise ValueError(f"StatePool.open: row {row} outside 1..{self.num_rows - 1}")
         pages = self._pages.get(row)
         if pages:
             self.static[layer][torch.tensor(pages, device=self.device)] = NEG_INF
@@ -119,7 +119,7 @@ class DecodeStatePool:
         """Pages for every block of a ``length``-token context of ``row`` (new pages hold no key)."""
         need = self.cfg.num_blocks(length)
         if need > self.max_blocks:
-            raise ValueError(f"DecodeStatePool: a context of {length} tokens is longer than the pool's "
+            raise ValueError(f"StatePool: a context of {length} tokens is longer than the pool's "
                              f"{self.max_context}")
         with self._lock:
             pages = self._pages.setdefault(row, [])
@@ -277,9 +277,9 @@ def pages_for(cfg: NosaConfig, token_capacity: int, num_rows: int) -> int:
 
 class PoolRow:
     """The store of a NosaDecodeState (nosa.decode.GrowingStore's methods) over one row and layer
-    of a DecodeStatePool: its keys live in the row's pages."""
+    of a StatePool: its keys live in the row's pages."""
 
-    def __init__(self, pool: DecodeStatePool, layer: int, row: int):
+    def __init__(self, pool: StatePool, layer: int, row: int):
         self.pool, self.layer, self.row = pool, layer, row
         self.num_windows = 0
         self.num_blocks = 0

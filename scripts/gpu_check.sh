@@ -57,7 +57,7 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.gen.m
 step deps 30 bash -c "$PY -c 'import pytest, hypothesis; print(\"pytest\", pytest.__version__)' ;
   for m in flashinfer sgl_kernel sglang; do $PY -c \"import \$m; print('\$m', getattr(\$m, '__version__', '?'))\" 2>/dev/null || echo \"\$m: not installed (optional)\"; done"
 
-# 3. the serving backend's decode step (nosa.serve.decode_step, offloading off and on: state pool,
+# 3. the serving backend's decode step (nosa.serve.decode_runner, offloading off and on: state pool,
 #    selection, block cache, recall from pinned host memory, attention) captured in a CUDA graph on a
 #    batch of padding rows, as SGLang's decode graph runner captures it, then replayed step after step
 #    against an eager copy of the same requests (graph_check.json: largest output difference, equal

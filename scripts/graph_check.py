@@ -3,8 +3,8 @@
     python scripts/graph_check.py --device cuda --out results/gpu/graph_check.json   # CUDA graphs
     python scripts/graph_check.py --device cpu --steps 4 --out /tmp/graph_check.json  # dry run: torch.compile
 
-For offloading off and on: two copies of the decode step of nosa.serve.decode_step over SGLang-like
-pools (nosa.serve.tools.decode_harness: the backend's DecodeStep, its state pool, its KV sources, the
+For offloading off and on: two copies of the decode step of nosa.serve.decode_runner over SGLang-like
+pools (nosa.serve.tools.decode_harness: the backend's DecodeRunner, its state pool, its KV sources, the
 block cache and the recall kernel reading pinned host memory when offloading), the same requests in
 each. One is captured the way SGLang's decode graph runner captures it: warm-up, then capture on a
 batch of padding rows only (CUDA: torch.cuda.CUDAGraph; CPU: torch.compile with fullgraph=True,

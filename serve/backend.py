@@ -5,9 +5,9 @@ tokens of the batch; ``req_to_token[row, :seq_len]`` lists the slots of a reques
 
 A thin adapter: the selection, the decode step's seams and the prefill are nosa's, imported,
 never re-implemented, so that serving and the HF model pick the same blocks. Per forward pass
-``init_forward_metadata`` builds the one ``ForwardStep`` (nosa.serve.step) every layer reads.
-A decode layer (``forward_decode``) runs nosa.serve.decode_step.DecodeStep, a straight line on
-fixed shapes: select (the request states in nosa.state_pool.DecodeStatePool) -> resolve (the KV
+``init_forward_metadata`` builds the one ``ForwardMetadata`` (nosa.serve.metadata) every layer reads.
+A decode layer (``forward_decode``) runs nosa.serve.decode_runner.DecodeRunner, a straight line on
+fixed shapes: select (the request states in nosa.state_pool.StatePool) -> resolve (the KV
 source) -> prefetch the next layer's blocks (offloading with the recall scheduler, when not
 captured) -> attend. Its host half runs in the metadata hooks before the step, so SGLang's graph
 runners can capture the rest: SGLang's CPU graph runner (``--enable-torch-compile`` on the CPU
@@ -20,7 +20,7 @@ and the block cache's spare group, and count nowhere.
 What differs between the two modes is only where K, V and cis live, i.e. which KV view (nosa.kv)
 the layer reads through:
 - offloading off (default): SGLang's device pool [slots, Hkv, D] plus a cis buffer per layer kept
-  here, read in place (``nosa.serve.decode_step.PoolKV``); extend runs ``prefill_from_pool``:
+  here, read in place (``nosa.serve.decode_runner.PoolResolver``); extend runs ``prefill_from_pool``:
   nosa's prefill over the context gathered from the pool, its cis read from the cis buffer;
 - offloading on ($NOSA_OFFLOAD=1): SGLang's pool is the host pool, and the offloading engine
   (nosa.serve.offload.engine.OffloadEngine) resolves a decode layer through the device block cache
@@ -29,7 +29,7 @@ the layer reads through:
   each decode step and feeds admission ($NOSA_ADMISSION=1); the package docstring of
   nosa.serve.offload maps its parts.
 Per-request state (one ``NosaDecodeState`` per (request row, layer), its keys in the row's pages of
-the DecodeStatePool) lives in nosa.serve.states.RequestStates, attached to SGLang's ReqToTokenPool
+the StatePool) lives in nosa.serve.registry.RequestRegistry, attached to SGLang's ReqToTokenPool
 so that finishing, aborting or retracting a request frees it, its pages and its device block slots.
 Eviction scores cis = A * softplus(W v + b) come from the checkpoint's eviction heads
 (nosa.serve.checkpoint); a dense checkpoint has A = 0.
@@ -54,12 +54,12 @@ from nosa.serve.checkpoint import (
     resolve_model_dir,
     zero_eviction_heads,
 )
-from nosa.serve.decode_step import DecodeStep, PoolKV
+from nosa.serve.decode_runner import DecodeRunner, PoolResolver
+from nosa.serve.metadata import ForwardMetadata, captured
 from nosa.serve.offload.settings import offload_enabled
 from nosa.serve.parallel import KVHeadShard
-from nosa.serve.states import RequestStates
-from nosa.serve.step import ForwardStep, captured
-from nosa.state_pool import DecodeStatePool, pages_for
+from nosa.serve.registry import RequestRegistry
+from nosa.state_pool import StatePool, pages_for
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class NosaAttnBackend(AttentionBackend):
         source = "checkpoint" if from_checkpoint else "NOSA_CONFIG / defaults (dense checkpoint, A = 0)"
         logger.info("nosa backend: %s from %s", self.config, source)
         self.states = self._attach_states(model_runner)
-        self.step: ForwardStep | None = None  # the forward pass running (init_forward_metadata)
+        self.step: ForwardMetadata | None = None  # the forward pass running (init_forward_metadata)
         self.offload = None
         if offload_enabled():
             from nosa.serve.offload.engine import OffloadEngine
@@ -119,17 +119,17 @@ class NosaAttnBackend(AttentionBackend):
         else:  # cis per pool slot, beside SGLang's K and V
             rows = self.token_to_kv_pool.get_key_buffer(0).shape[0]
             self.cis_pool = [torch.zeros(rows, self.num_kv_heads, device=self.device) for _ in range(self.num_layers)]
-            kv = PoolKV(self.token_to_kv_pool, self.cis_pool, self.req_to_token_pool.req_to_token, self.heads,
+            kv = PoolResolver(self.token_to_kv_pool, self.cis_pool, self.req_to_token_pool.req_to_token, self.heads,
                         self.config.block_size)
             spare_group = None
-        self.decode = DecodeStep(self.config, self.num_layers, self.states, self.states.pool, kv, self.device,
+        self.decode = DecodeRunner(self.config, self.num_layers, self.states, self.states.pool, kv, self.device,
                                  spare_group)
 
-    def _attach_states(self, model_runner) -> RequestStates:
+    def _attach_states(self, model_runner) -> RequestRegistry:
         """One registry per ReqToTokenPool (a prefill and a decode nosa backend share it)."""
         pool = self.req_to_token_pool
         current = getattr(pool, "_aux_cache", None)
-        if isinstance(current, RequestStates):
+        if isinstance(current, RequestRegistry):
             return current
         if current is not None:
             raise ValueError(
@@ -141,15 +141,15 @@ class NosaAttnBackend(AttentionBackend):
         # dense_capacity: what the pool reports as schedulable tokens once an aux cache is attached;
         # NOSA reserves nothing, so it is the allocator's full size.
         capacity = model_runner.token_to_kv_pool_allocator.size
-        states = RequestStates(pool, self.num_layers, capacity, self._state_pool(pool.req_to_token, capacity))
+        states = RequestRegistry(pool, self.num_layers, capacity, self._state_pool(pool.req_to_token, capacity))
         pool.attach_aux_cache(states)
         return states
 
-    def _state_pool(self, req_to_token: torch.Tensor, capacity: int) -> DecodeStatePool:
+    def _state_pool(self, req_to_token: torch.Tensor, capacity: int) -> StatePool:
         """The decode states of every request row, for contexts up to the request pool's width; pages
         for ``capacity`` tokens (the KV pool's), more if requests sharing a prefix need them."""
         rows, max_context = req_to_token.shape
-        pool = DecodeStatePool(self.config, self.num_layers, rows, self.num_kv_heads, self.head_dim, max_context,
+        pool = StatePool(self.config, self.num_layers, rows, self.num_kv_heads, self.head_dim, max_context,
                                pages_for(self.config, capacity, rows), self.token_to_kv_pool.dtype, self.device,
                                key_tails=offload_enabled())  # else the step reads window keys from the pool
         logger.info("nosa backend: decode states of %d request rows, contexts up to %d tokens: %.1f MiB",
@@ -165,11 +165,11 @@ class NosaAttnBackend(AttentionBackend):
             self.init_forward_metadata_in_graph(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        """Host half (never captured; before capture and before every replay): the ForwardStep; for
-        a decode step the states caught up and given pages (nosa.serve.decode_step.DecodeStep.prepare).
+        """Host half (never captured; before capture and before every replay): the ForwardMetadata; for
+        a decode step the states caught up and given pages (nosa.serve.decode_runner.DecodeRunner.prepare).
         Padding rows (row 0) of a graph's batch count as no request."""
         groups_of = self.offload.groups_of if self.offload is not None else None
-        self.step = ForwardStep.of(forward_batch, self.req_to_token_pool.req_to_token, groups_of)
+        self.step = ForwardMetadata.of(forward_batch, self.req_to_token_pool.req_to_token, groups_of)
         self._begin(self.step)
 
     def init_forward_metadata_in_graph(self, forward_batch):
@@ -177,7 +177,7 @@ class NosaAttnBackend(AttentionBackend):
         batch's rows and lengths from the graph runner's buffers into the step's inputs."""
         self.decode.fill(forward_batch.req_pool_indices, forward_batch.seq_lens)
 
-    def _begin(self, step: ForwardStep) -> None:
+    def _begin(self, step: ForwardMetadata) -> None:
         self.states.pool.recycle()
         warm = self.offload.begin(step) if self.offload is not None else None
         if step.decode:
@@ -192,7 +192,7 @@ class NosaAttnBackend(AttentionBackend):
                                                 encoder_lens, forward_mode, spec_info):
         """The metadata of the batch the CPU graph runner compiles with (padding rows only)."""
         groups_of = self.offload.groups_of if self.offload is not None else None
-        self.step = ForwardStep.decode_of(req_pool_indices.tolist(), seq_lens.tolist(),
+        self.step = ForwardMetadata.decode_of(req_pool_indices.tolist(), seq_lens.tolist(),
                                           self.req_to_token_pool.req_to_token, groups_of, req_pool_indices)
         self._begin(self.step)
         self.decode.fill(req_pool_indices, seq_lens)
@@ -230,7 +230,7 @@ class NosaAttnBackend(AttentionBackend):
         return io.out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        """One layer of a decode step for the whole batch (nosa.serve.decode_step.DecodeStep.run_layer:
+        """One layer of a decode step for the whole batch (nosa.serve.decode_runner.DecodeRunner.run_layer:
         select -> resolve -> prefetch -> attend), on the inputs the metadata hooks prepared. Fixed
         shapes and no host reads, so a graph runner can capture it."""
         self._check_layer(layer)

@@ -3,7 +3,7 @@
 SGLang 0.5.23 on CUDA captures decode graphs (backend "full") and breakable prefill graphs by
 default. The nosa backend implements the decode graph runner's hooks (``init_cuda_graph_state``,
 ``init_forward_metadata_out_graph`` / ``_in_graph``, ``get_cuda_graph_seq_len_fill_value``: its
-decode step runs on fixed shapes, nosa.serve.decode_step), so decode graphs stay as the server
+decode step runs on fixed shapes, nosa.serve.decode_runner), so decode graphs stay as the server
 arguments say. It has no capture path for prefill (``init_forward_metadata_for_breakable_cuda_graph_capture``:
 a prefill chunk's selection and the blocks it reads depend on the data), and AttentionBackend's
 default raises a bare NotImplementedError while the server starts. This hook runs in SGLang's

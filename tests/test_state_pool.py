@@ -11,7 +11,7 @@ import torch
 from nosa import EvictionHead, NosaConfig, NosaDecodeState
 from nosa.decode import decode_select
 from nosa.kv import ContiguousKV
-from nosa.state_pool import SPARE_PAGE, DecodeStatePool, pages_for
+from nosa.state_pool import SPARE_PAGE, StatePool, pages_for
 
 HQ, HKV, D = 4, 2, 8
 CONFIGS = {
@@ -34,7 +34,7 @@ def _seq(length, seed, a=(0.9, 0.0)):
 
 
 def _pool(cfg, max_context=400, rows=6, pages=None):
-    return DecodeStatePool(cfg, 1, rows, HKV, D, max_context, pages or pages_for(cfg, 3 * max_context, rows))
+    return StatePool(cfg, 1, rows, HKV, D, max_context, pages or pages_for(cfg, 3 * max_context, rows))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

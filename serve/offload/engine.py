@@ -9,7 +9,7 @@ link) and the step counters. The backend then calls, per forward pass:
   decode step drops stale blocks, starts its counters and says which groups are warm;
 - ``view(layer, step)``: the layer's KV view (OffloadKV) for host-side reads (a prefill, a
   decode state catching up);
-- ``resolve(layer, wanted, inputs, new_tokens)``: a decode layer's blocks through the device
+- ``resolve_layer(layer, wanted, inputs, new_tokens)``: a decode layer's blocks through the device
   block cache, on fixed shapes (DeviceBlockCache.resolve_step, nosa.serve.offload.resolve; a
   captured step runs it as is);
 - ``prefetch(layer, step, states)``: while layer - 1 attends, layer's predicted blocks start
@@ -19,7 +19,7 @@ link) and the step counters. The backend then calls, per forward pass:
   its extra-slot grants applied, the record logged. The backend calls it after the last layer of
   a step that runs eagerly; a captured step has no host code after it, so ``begin`` of the next
   forward closes it (its wall time then includes the host's work between the two);
-and the request registry (nosa.serve.states) calls ``release(row)`` when a request leaves and
+and the request registry (nosa.serve.registry) calls ``release(row)`` when a request leaves and
 ``counters()`` for the stats file.
 """
 
@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import logging
 
+from nosa.serve.metadata import captured
 from nosa.serve.offload.block_cache import DeviceBlockCache
 from nosa.serve.offload.kv import OffloadKV, predicted_blocks
 from nosa.serve.offload.resolve import NewTokens, PageTable, host_pages
 from nosa.serve.offload.settings import OffloadSettings
 from nosa.serve.offload.stats import StepRecord, StepStats
-from nosa.serve.step import captured
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class OffloadEngine:
 
     # ---- per forward pass ----------------------------------------------------------------------
     def groups_of(self, rows: list[int]):
-        """[R] the device group of each request row (nosa.serve.step.ForwardStep.groups)."""
+        """[R] the device group of each request row (nosa.serve.metadata.ForwardMetadata.groups)."""
         return self.cache.groups_of(rows)
 
     def begin(self, step) -> list[bool] | None:
@@ -108,9 +108,9 @@ class OffloadEngine:
         """The KV view of ``layer`` for the requests of ``step`` (decode: with their new tokens)."""
         return OffloadKV(self.pool, self.cache, self.req_to_token, layer, step, self.device, new_tokens)
 
-    def resolve(self, layer: int, wanted, inputs, new_tokens: NewTokens):
-        """A decode layer's wanted blocks (nosa.decode.DecodeBlocks) for the step's requests
-        (nosa.serve.step.DecodeInputs), resident in the device block cache: its DeviceRows. Fixed
+    def resolve_layer(self, layer: int, wanted, inputs, new_tokens: NewTokens):
+        """A decode layer's wanted blocks (nosa.decode.WantedBlocks) for the step's requests
+        (nosa.serve.metadata.StepInputs), resident in the device block cache: its DeviceRows. Fixed
         shapes; in a step that runs eagerly with the recall scheduler, the layer's prefetch is
         claimed first."""
         pages = PageTable(self.req_to_token, inputs.rows)  # looked up where needed (the CPU kernel: itself)
@@ -122,7 +122,7 @@ class OffloadEngine:
 
     def prefetch(self, layer: int, step, states) -> None:
         """Start moving ``layer``'s predicted blocks for this decode step (the layer before it is
-        about to attend). ``states``: the request registry (nosa.serve.states.RequestStates)."""
+        about to attend). ``states``: the request registry (nosa.serve.registry.RequestRegistry)."""
         if layer >= self.num_layers or not self.cache.may_prefetch(layer, step.groups, step.lengths):
             return
         layer_states = [states.get(row, layer) for row in step.rows]

@@ -20,7 +20,7 @@ from nosa.serve.offload.resolve import NewTokens, host_pages
 
 
 class OffloadKV:
-    """Layer ``layer_id`` of the requests of ``step`` (nosa.serve.step.ForwardStep): their tokens in
+    """Layer ``layer_id`` of the requests of ``step`` (nosa.serve.metadata.ForwardMetadata): their tokens in
     the host pool ``pool`` (nosa.serve.offload.host_pool.HostKVPool) at the slots ``req_to_token``
     lists, the blocks a decode step attends to in the device block ``cache``. ``new_tokens``: the
     decode step's token of each request in this layer, written through into the cache on resolve."""

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from nosa.kv import DeviceRows
-from nosa.serve.step import captured
+from nosa.serve.metadata import captured
 
 # What a slot offers a miss in the slot diff, best first (the key misses sort the slots by).
 EMPTY_SLOT = 0  # holds no block

@@ -6,8 +6,8 @@ replay (scripts/gpu_check.sh -> scripts/graph_check.py).
 (nosa.serve.backend): a token-slot KV pool (offloading off: K, V [slots, Hkv, D] per layer and the
 cis beside it; on: the page-major host pool and the device block cache of the offloading engine),
 ``req_to_token`` with each request's slots (shuffled, so reads go through the table), eviction
-heads with A != 0, the request registry and its DecodeStatePool, and the
-nosa.serve.decode_step.DecodeStep itself. Then per step, as the backend and SGLang do:
+heads with A != 0, the request registry and its StatePool, and the
+nosa.serve.decode_runner.DecodeRunner itself. Then per step, as the backend and SGLang do:
 
 - ``begin(rows)``: host half (the backend's init_forward_metadata_out_graph): the batch's rows
   (0 = padding) with their lengths, states caught up (the first step catches up on the prompt);
@@ -25,11 +25,11 @@ import torch
 
 from nosa.config import NosaConfig
 from nosa.eviction import EvictionHead
-from nosa.serve.decode_step import DecodeStep, PoolKV
+from nosa.serve.decode_runner import DecodeRunner, PoolResolver
+from nosa.serve.metadata import ForwardMetadata
 from nosa.serve.offload.kv import TokenRowMemo, write_token_rows
-from nosa.serve.states import RequestStates
-from nosa.serve.step import ForwardStep
-from nosa.state_pool import DecodeStatePool, pages_for
+from nosa.serve.registry import RequestRegistry
+from nosa.state_pool import StatePool, pages_for
 
 
 class _TokenPool:
@@ -89,8 +89,8 @@ class DecodeHarness:
         prompt_v = [torch.randn(num_slots, hkv, head_dim, generator=g) for _ in range(num_layers)]
         with torch.no_grad():
             prompt_cis = [head(v.to(self.device)).float() for head, v in zip(self.heads, prompt_v)]
-        registry = RequestStates(SimpleNamespace(req_generation=[0] * rows), num_layers, num_slots,
-                                 DecodeStatePool(cfg, num_layers, rows, hkv, head_dim, max_context,
+        registry = RequestRegistry(SimpleNamespace(req_generation=[0] * rows), num_layers, num_slots,
+                                 StatePool(cfg, num_layers, rows, hkv, head_dim, max_context,
                                                  pages_for(cfg, num_slots, rows), torch.float32, self.device,
                                                  key_tails=offload))
         self.states = registry
@@ -114,8 +114,8 @@ class DecodeHarness:
         else:
             self.pool = _TokenPool([k.to(self.device) for k in prompt_k], [v.to(self.device) for v in prompt_v])
             self.cis = prompt_cis
-            kv, spare = PoolKV(self.pool, self.cis, self.req_to_token, self.heads, block), None
-        self.decode = DecodeStep(cfg, num_layers, registry, registry.pool, kv, self.device, spare)
+            kv, spare = PoolResolver(self.pool, self.cis, self.req_to_token, self.heads, block), None
+        self.decode = DecodeRunner(cfg, num_layers, registry, registry.pool, kv, self.device, spare)
         # the graph runner's own static inputs: rows, lengths and new-token slots of a batch
         self.runner_rows = torch.zeros(rows - 1, dtype=torch.long, device=self.device)
         self.runner_lengths = torch.ones(rows - 1, dtype=torch.long, device=self.device)
@@ -140,7 +140,7 @@ class DecodeHarness:
         last step (its prompt + 1 for the first), written into the runner's inputs; the host half."""
         lengths = [self.lengths[r - 1] + 1 if r else 1 for r in rows]
         groups_of = self.engine.groups_of if self.offload else None
-        step = ForwardStep.decode_of(rows, lengths, self.req_to_token, groups_of)
+        step = ForwardMetadata.decode_of(rows, lengths, self.req_to_token, groups_of)
         self.states.pool.recycle()
         warm = self.engine.begin(step) if self.offload else None
         self.decode.prepare(step, warm)

@@ -1,4 +1,4 @@
-"""The serving decode step on fixed shapes (nosa.serve.decode_step), through the harness that builds
+"""The serving decode step on fixed shapes (nosa.serve.decode_runner), through the harness that builds
 it over SGLang-like pools (nosa.serve.tools.decode_harness), offloading off and on:
 
 - equal to the spec (NosaDecodeState + decode_attend on each request's whole context) step after

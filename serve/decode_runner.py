@@ -1,15 +1,15 @@
-"""DecodeStep: the nosa backend's decode step on fixed shapes, so that a graph runner can capture it.
+"""DecodeRunner: the nosa backend's decode step on fixed shapes, so that a graph runner can capture it.
 
 Two halves, the split SGLang's graph runners make (nosa.serve.backend wires them to its hooks):
 
 - host side, ``prepare(step)``, before a step (eagerly, never captured): the step's requests
-  (nosa.serve.step.ForwardStep, padding rows included) are written into fixed buffers
-  (nosa.serve.step.DecodeInputs); each request's decode state is brought to its context minus the
+  (nosa.serve.metadata.ForwardMetadata, padding rows included) are written into fixed buffers
+  (nosa.serve.metadata.StepInputs); each request's decode state is brought to its context minus the
   new token if it is behind (the first step after a prefill: a catch-up through the KV view, with
-  dynamic shapes) and given the pages its step will write (nosa.state_pool.DecodeStatePool); the
+  dynamic shapes) and given the pages its step will write (nosa.state_pool.StatePool); the
   spans the step reads are fixed;
-- device side, ``run_layer`` once per layer: select (DecodeStatePool.advance and .select) ->
-  resolve (the KV source: SGLang's pool read in place, ``PoolKV``, or the offloading engine's
+- device side, ``run_layer`` once per layer: select (StatePool.advance and .select) ->
+  resolve (the KV source: SGLang's pool read in place, ``PoolResolver``, or the offloading engine's
   device block cache) -> prefetch (the recall scheduler's, only in a step that is not captured)
   -> attend. Tensors of the buffers, the pools and the layer's inputs only: shapes depend on the
   batch size and the configuration (and the server's longest context), never on the data, and
@@ -27,14 +27,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nosa.decode import DecodeBlocks, attend_resolved, read_blocks, read_width
+from nosa.decode import WantedBlocks, attend_resolved, read_blocks, read_width
 from nosa.kv import PagedKV, paged_rows
+from nosa.serve.metadata import ForwardMetadata, InputBuffers, ReadSpans, StepInputs, captured
 from nosa.serve.offload.resolve import NewTokens
-from nosa.serve.step import DecodeBuffers, DecodeInputs, DecodeSpans, ForwardStep, captured
-from nosa.state_pool import DecodeStatePool
+from nosa.state_pool import StatePool
 
 
-class PoolKV:
+class PoolResolver:
     """SGLang's token-slot KV pool as the decode step reads it (offloading off): ``pool`` has
     get_key_buffer / get_value_buffer(layer) [slots, Hkv, D]; ``cis`` [layers] of [slots, Hkv]
     float32, the eviction scores the backend keeps beside it; ``req_to_token`` [rows, max_ctx];
@@ -44,7 +44,7 @@ class PoolKV:
         self.pool, self.cis, self.req_to_token, self.heads = pool, cis, req_to_token, heads
         self.block_size = block_size
 
-    def view(self, layer: int, step: ForwardStep) -> PagedKV:
+    def view(self, layer: int, step: ForwardMetadata) -> PagedKV:
         """Host side: the KV view of the step's requests (lengths as ``step`` says)."""
         return PagedKV(self.pool.get_key_buffer(layer), self.pool.get_value_buffer(layer), self.cis[layer],
                        self.req_to_token, step.table_rows, step.lengths)
@@ -55,7 +55,7 @@ class PoolKV:
         slots = slots.long()
         self.cis[layer][slots] = self.heads[layer](self.pool.get_value_buffer(layer)[slots])
 
-    def window_keys(self, layer: int, inputs: DecodeInputs, kernel: int) -> torch.Tensor:
+    def window_keys(self, layer: int, inputs: StepInputs, kernel: int) -> torch.Tensor:
         """Device side: [R, kernel, Hkv, D] the keys of each request's last ``kernel`` tokens (the
         compressed window its new token may complete; clamped to token 0 for a shorter context)."""
         positions = (inputs.lengths[:, None] - kernel + torch.arange(kernel, device=inputs.lengths.device)).clamp(min=0)
@@ -78,39 +78,39 @@ class PoolKV:
             out[i] = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=scale, enable_gqa=True)[:, 0]
         return out
 
-    def resolve(self, layer: int, wanted: DecodeBlocks, inputs: DecodeInputs, new_tokens):
+    def resolve_layer(self, layer: int, wanted: WantedBlocks, inputs: StepInputs, new_tokens):
         """Device side: the wanted blocks' rows, read in place (the new tokens are in the pool)."""
         return paged_rows(self.pool.get_key_buffer(layer), self.pool.get_value_buffer(layer), self.cis[layer],
                           self.req_to_token, inputs.rows, wanted.blocks, inputs.lengths, self.block_size)
 
 
-class DecodeStep:
-    """The decode step of one backend. ``states``: the request registry (nosa.serve.states
-    .RequestStates, NosaDecodeState per (row, layer), here rows of ``pool``); ``kv``: PoolKV or the
+class DecodeRunner:
+    """The decode step of one backend. ``states``: the request registry (nosa.serve.registry
+    .RequestRegistry, NosaDecodeState per (row, layer), here rows of ``pool``); ``kv``: PoolResolver or the
     offloading engine (nosa.serve.offload.engine.OffloadEngine: ``view``, ``resolve``,
     ``prefetch``)."""
 
-    def __init__(self, cfg, num_layers: int, states, pool: DecodeStatePool, kv, device,
+    def __init__(self, cfg, num_layers: int, states, pool: StatePool, kv, device,
                  spare_group: int | None = None):
         self.cfg, self.num_layers, self.states, self.pool, self.kv = cfg, num_layers, states, pool, kv
         self.spare_group = spare_group  # offloading: the block cache's group of padding rows
-        self.buffers = DecodeBuffers(8, device)
+        self.buffers = InputBuffers(8, device)
         self.graphs = False  # init_graph_state: spans fixed, buffers never reallocated
-        self.inputs: DecodeInputs | None = None
+        self.inputs: StepInputs | None = None
 
     def init_graph_state(self, max_bs: int) -> None:
         """A graph runner will capture batches of up to ``max_bs`` requests: from now on every step
         reads the longest context's spans from buffers that never move."""
-        self.buffers = DecodeBuffers(max_bs, self.buffers.device)
+        self.buffers = InputBuffers(max_bs, self.buffers.device)
         self.graphs = True
         # a CUDA graph holds the pool's addresses; SGLang's CPU graph runner recompiles if it grows
         self.pool.frozen = torch.device(self.buffers.device).type == "cuda"
 
-    def static_spans(self) -> DecodeSpans:
-        return DecodeSpans(self.pool.max_windows, self.pool.max_blocks, read_width(self.cfg), True)
+    def static_spans(self) -> ReadSpans:
+        return ReadSpans(self.pool.max_windows, self.pool.max_blocks, read_width(self.cfg), True)
 
     # ---- host side -----------------------------------------------------------------------------
-    def prepare(self, step: ForwardStep, warm: list[bool] | None = None) -> DecodeInputs:
+    def prepare(self, step: ForwardMetadata, warm: list[bool] | None = None) -> StepInputs:
         """Host side of a decode step (never captured): its requests' states caught up and given
         pages; what only the host knows written into the inputs (how many rows are requests, warm
         groups, the spans). ``step``: rows (0 = padding, after the requests) and lengths (with the
@@ -137,7 +137,7 @@ class DecodeStep:
                 only_dense = tuple((step.rows[i], step.lengths[i]) for i in real)
             completes = any((n >= cfg.compress_kernel and (n - cfg.compress_kernel) % cfg.compress_stride == 0)
                             or n % cfg.block_size == 0 for n in lengths)
-            inputs.spans = DecodeSpans(cfg.num_compressed(max(lengths)), cfg.num_blocks(max(lengths)), width, False,
+            inputs.spans = ReadSpans(cfg.num_compressed(max(lengths)), cfg.num_blocks(max(lengths)), width, False,
                                        completes, only_dense)
         self.inputs = inputs
         return inputs
@@ -154,7 +154,7 @@ class DecodeStep:
         if self.spare_group is not None:
             inputs.groups.copy_(torch.where(inputs.real, inputs.rows - 1, self.spare_group))
 
-    def _catch_up(self, step: ForwardStep, i: int, layer: int, views: dict) -> None:
+    def _catch_up(self, step: ForwardMetadata, i: int, layer: int, views: dict) -> None:
         """Request i's state of ``layer``: holding its context but the new token, its tails filled,
         pages for the new token; then recorded as advanced by the step (which will do it)."""
         row, length = step.rows[i], step.lengths[i]
@@ -197,7 +197,7 @@ class DecodeStep:
         sel = self.pool.select(layer, inputs.rows, inputs.lengths, q, scale, spans.windows, spans.blocks)
         wanted = read_blocks(sel, inputs.lengths, self.cfg, spans.width)
         # 2. resolve: where those blocks are (offloading: hits stay, misses recalled from the host)
-        found = self.kv.resolve(layer, wanted, inputs, NewTokens(k, v, cis))
+        found = self.kv.resolve_layer(layer, wanted, inputs, NewTokens(k, v, cis))
         # 3. prefetch: the next layer's predicted blocks start moving while this layer attends
         if prefetch is not None and not captured():
             prefetch()

@@ -1,7 +1,7 @@
 """Per-request NOSA decode state, owned by the backend and freed with the request.
 
 One ``NosaDecodeState`` per (req_to_token row, layer), its keys in the row's pages of the
-backend's nosa.state_pool.DecodeStatePool (given back when the row is freed). The registry is attached to SGLang's
+backend's nosa.state_pool.StatePool (given back when the row is freed). The registry is attached to SGLang's
 ReqToTokenPool as its aux cache, so ``free(row)`` runs when a request finishes, is aborted or is
 retracted (ReqToTokenPool.free_rows) and ``clear()`` when the pool is flushed. Rows are reused by
 later requests; the pool's per-row generation counter (bumped on every allocation) guards against
@@ -25,12 +25,12 @@ from nosa.serve.parallel import rank_path
 ENV_STATS_FILE = "NOSA_SERVE_STATS_FILE"  # debug: the registry writes its counts here
 
 
-class RequestStates:
+class RequestRegistry:
     """Decode states keyed by row, tagged with the row's generation when created."""
 
     def __init__(self, req_to_token_pool, num_layers: int, dense_capacity: int, state_pool):
         self.req_pool = req_to_token_pool
-        self.pool = state_pool  # nosa.state_pool.DecodeStatePool: where the states keep their keys
+        self.pool = state_pool  # nosa.state_pool.StatePool: where the states keep their keys
         self.num_layers = num_layers
         self.dense_capacity = dense_capacity  # ReqToTokenPool.schedulable_token_capacity reads it
         self._rows: dict[int, tuple[int, list[NosaDecodeState | None]]] = {}

@@ -1,4 +1,4 @@
-"""ForwardStep: what every layer of one forward pass reads, built once per forward.
+"""ForwardMetadata: what every layer of one forward pass reads, built once per forward.
 
 SGLang calls the backend's ``init_forward_metadata`` once per forward pass (a decode step, or an
 extend: prefill, chunked prefill, prefix-cache hit) and then ``forward_decode`` /
@@ -17,7 +17,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class ForwardStep:
+class ForwardMetadata:
     """One forward pass of the batch.
 
     rows: each request's row of SGLang's ReqToTokenPool; lengths: its context in tokens, this
@@ -36,14 +36,14 @@ class ForwardStep:
     decode: bool
     groups: torch.Tensor | None = None
 
-    def without_new_tokens(self) -> "ForwardStep":
+    def without_new_tokens(self) -> "ForwardMetadata":
         """The same requests as they were before this forward's tokens (lengths minus extend)."""
         return dataclasses.replace(self, lengths=[n - e for n, e in zip(self.lengths, self.extend)],
                                    slots=[s[: n - e] for s, n, e in zip(self.slots, self.lengths, self.extend)])
 
     @classmethod
     def decode_of(cls, rows: list[int], lengths: list[int], req_to_token: torch.Tensor, groups_of=None,
-                  table_rows: torch.Tensor | None = None) -> "ForwardStep":
+                  table_rows: torch.Tensor | None = None) -> "ForwardMetadata":
         """A decode step of requests at ``rows`` (0 = a padding row) with contexts ``lengths``."""
         if table_rows is None:
             table_rows = torch.tensor(rows, dtype=torch.long, device=req_to_token.device)
@@ -52,7 +52,7 @@ class ForwardStep:
                    decode=True, groups=None if groups_of is None else groups_of(rows))
 
     @classmethod
-    def of(cls, forward_batch, req_to_token: torch.Tensor, groups_of=None) -> "ForwardStep":
+    def of(cls, forward_batch, req_to_token: torch.Tensor, groups_of=None) -> "ForwardMetadata":
         """From SGLang's ForwardBatch; ``groups_of(rows) -> [R]`` gives the device groups when
         offloading (nosa.serve.offload.engine.OffloadEngine.groups_of)."""
         rows = forward_batch.req_pool_indices.tolist()
@@ -82,7 +82,7 @@ def captured() -> bool:
 
 
 @dataclass(frozen=True)
-class DecodeSpans:
+class ReadSpans:
     """How far a decode step reads per request: ``windows`` compressed keys, ``blocks`` static
     keys and ``width`` blocks to attend (nosa.decode.read_blocks). ``static``: the step may be
     captured, so the spans are the longest context's and nothing may synchronise with the host;
@@ -101,14 +101,14 @@ class DecodeSpans:
 
 
 @dataclass
-class DecodeInputs:
+class StepInputs:
     """A decode step's per-request tensors, R rows (R = the batch, or its graph's padded size):
     rows [R] long, the ReqToTokenPool row (0 for a padding row); lengths [R] long, the context with
     the new token; num_real [] long, how many leading rows are requests (the rest pad a graph's
     batch); real [R] bool, a request row; groups [R] long, the offloading engine's device group
     (its spare group for padding); warm [R] bool, the group's blocks were resident after its
-    previous step (counters); spans: what the step reads (DecodeSpans). The tensors are views of
-    buffers allocated once (``DecodeBuffers``), written in place before each step, so a captured
+    previous step (counters); spans: what the step reads (ReadSpans). The tensors are views of
+    buffers allocated once (``InputBuffers``), written in place before each step, so a captured
     step reads them at the same addresses."""
 
     rows: torch.Tensor
@@ -117,16 +117,16 @@ class DecodeInputs:
     real: torch.Tensor
     groups: torch.Tensor
     warm: torch.Tensor
-    spans: DecodeSpans | None = None
+    spans: ReadSpans | None = None
 
 
-class DecodeBuffers:
-    """The buffers behind DecodeInputs, for up to ``capacity`` requests, with one DecodeInputs per
+class InputBuffers:
+    """The buffers behind StepInputs, for up to ``capacity`` requests, with one StepInputs per
     batch size (the same object every step of that size)."""
 
     def __init__(self, capacity: int, device):
         self.device = device
-        self._views: dict[int, DecodeInputs] = {}
+        self._views: dict[int, StepInputs] = {}
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
@@ -143,7 +143,7 @@ class DecodeBuffers:
     def capacity(self) -> int:
         return self.rows.shape[0]
 
-    def view(self, size: int, grow: bool = True) -> DecodeInputs:
+    def view(self, size: int, grow: bool = True) -> StepInputs:
         """The inputs of a batch of ``size`` rows; more rows than allocated reallocate (only when
         ``grow``: a captured step holds the old addresses)."""
         if size > self.capacity:
@@ -153,6 +153,6 @@ class DecodeBuffers:
             self._alloc(max(size, 2 * self.capacity))
         inputs = self._views.get(size)
         if inputs is None:
-            inputs = self._views[size] = DecodeInputs(self.rows[:size], self.lengths[:size], self.num_real,
+            inputs = self._views[size] = StepInputs(self.rows[:size], self.lengths[:size], self.num_real,
                                                        self.real[:size], self.groups[:size], self.warm[:size])
         return inputs
