@@ -6,13 +6,8 @@ q . compressed-key logits over the windows visible to the row (window j covers t
 [s*j, s*j + c) and is visible when s*j + c <= positions[r] + 1), summed over the G query heads of
 the group, then max-pooled onto blocks (block b takes the max over the windows overlapping it;
 -inf where none is visible). Shapes: q [R, Hq, D]; compressed_k [C, Hkv, D]; positions [R]
--> [R, Hkv, NB] float32. The top-k that follows stays in nosa.select.
-
-Why a kernel: the torch path materialises [rows, Hkv, G, C] logits (chunked by rows), i.e. many
-launches and GiBs of traffic per layer at 32K+ tokens; here one program per (row, KV head) keeps
-the group's logits in registers: pass 1 finds the softmax max and denominator over the windows,
-pass 2 walks the blocks, recomputing the probabilities of the windows each block overlaps
-(p + B/s windows per block, padded to a power of two) and pooling them at once.
+-> [R, Hkv, NB] float32. The top-k that follows stays in nosa.select. Why a kernel: the torch path
+materialises [rows, Hkv, G, C] logits; one program per (row, KV head) keeps them in registers.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ import torch
 def block_scores_plan(q, compressed_k, positions, num_blocks: int, block_size: int, compress_kernel: int,
                       compress_stride: int, scale: float):
     """(grid, args, constexprs, out) of the launch (shared with the ahead-of-time compile test)."""
-    import triton
+    import triton  # optional: triton (CUDA, or TRITON_INTERPRET=1 for tests)
 
     rows, hq, d = q.shape
     windows, hkv, _ = compressed_k.shape
@@ -66,8 +61,8 @@ def query_block_scores_triton(q, compressed_k, positions, num_blocks: int, cfg, 
 @functools.cache
 def kernels() -> dict:
     """{"scores"}: the @triton.jit kernel, built on first use (importing needs no triton)."""
-    import triton
-    import triton.language as tl
+    import triton  # optional: triton (CUDA, or TRITON_INTERPRET=1 for tests)
+    import triton.language as tl  # optional: triton
 
     @triton.jit
     def scores_kernel(Q, CK, POS, OUT, sqr, sqh, sck, sch, sor, soh, C, NB, scale,

@@ -1,30 +1,15 @@
 """Decode over the device block cache through FlashInfer's paged decode (the FlashInfer option of
 nosa.ops.slot_decode, chosen with NOSA_DECODE_IMPL=flashinfer).
 
-The block cache (see nosa.kernels.slot_decode) holds one item per (block, KV head): k_dev/v_dev
-[S, B, D], cis_dev [S, B] fp32, and each (request, KV head) owns NS slots (slots [R, Hkv, NS], -1
-unused; fill [R, Hkv, NS] valid tokens from the start of the slot's block). FlashInfer's paged
-decode shares one page table per request across its KV heads, while NOSA selects per head, so the
-KV heads are folded into the batch:
-
-- every slot is a page of ONE KV head: the cache is viewed as [S, B, 1, D] (NHD, num_kv_heads 1),
-  page index = slot (the slot already names one (block, head) item; no copy);
-- batch row b = r * Hkv + h (a (request, KV head) pair) with the G query heads of its GQA group as
-  the row's query heads: q [R, Hq, D] viewed as [R * Hkv, G, D];
-- every row lists all NS of its slots (indptr = b * NS, last_page_len = B): the page table has a
-  static shape, so one plan() serves every layer and step of a batch shape and only the indices
-  and fills change on the GPU (no host synchronisation, CUDA-graph friendly); unused slots (-1)
-  point at page 0 with fill 0.
-
-A custom JIT attention variant (VARIANT_DECL) applies what FlashInfer has no built-in for: the
-logit scale * q.k + cis_j (cis read through the page table) and the fill mask (token t of a page is
-valid iff t < its fill). FlashInfer returns its lse in log2 units; `unfold` converts to the natural
-log used everywhere else (nosa.attention.math.merge_attention), -inf and out 0 for a row with no valid
-token. Supported: bf16/fp16, D == Dv, G in FOLDABLE_GROUPS (FlashInfer's decode kernel instances).
-
-flashinfer is imported only inside the CUDA path (`require_flashinfer`); everything else here is
-pure torch and tested on CPU against the spec through `paged_decode_reference`, a torch model of the
-FlashInfer kernel that consumes exactly the folded page table.
+Inputs as nosa.kernels.slot_decode: k_dev/v_dev [S, B, D], cis_dev [S, B] fp32, slots [R, Hkv, NS]
+(-1 unused), fill [R, Hkv, NS]; q [R, Hq, D]. NOSA selects per KV head, so the KV heads are folded
+into FlashInfer's batch: every slot is a page of one KV head (the cache viewed as [S, B, 1, D]),
+batch row b = r * Hkv + h with the G query heads of its group (q viewed as [R * Hkv, G, D]), and
+every row lists all NS slots (a static page table: one plan() per batch shape, CUDA-graph
+friendly). A custom JIT variant (VARIANT_DECL) adds cis_j to the logit and masks by fill. Returns
+(out, lse) with lse in natural log, -inf and out 0 for a row with no valid token. Supported:
+bf16/fp16, D == Dv, G in FOLDABLE_GROUPS. flashinfer is imported only on the CUDA path
+(``require_flashinfer``); the rest is pure torch, tested on CPU through ``paged_decode_reference``.
 """
 
 from __future__ import annotations
@@ -36,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from nosa.kernels.slot_decode import check_inputs
+from nosa.layout import NEG_INF
 
 FLASHINFER_VERSION = "0.7.2.post1"  # the version whose jit_args layout and variant API this follows
 FOLDABLE_GROUPS = (1, 2, 3, 4, 6, 8, 16)  # FlashInfer's DISPATCH_GQA_GROUP_SIZE
@@ -174,7 +160,7 @@ def paged_decode_reference(pages: FoldedPages, scale: float):
         v = pages.v_pages[ids, :, 0].float().reshape(-1, pages.v_pages.shape[-1])
         cis = pages.cis.view(-1, block)[ids].reshape(-1)
         logits = scale * (pages.q[b].float() @ k.T) + cis  # [G, n * B]
-        logits = logits.masked_fill(~tokens.reshape(-1), float("-inf"))
+        logits = logits.masked_fill(~tokens.reshape(-1), NEG_INF)
         lse = torch.logsumexp(logits, dim=-1)
         p = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0.0)[:, None])
         outs.append(torch.nan_to_num(p @ v).to(pages.q.dtype))
@@ -187,7 +173,7 @@ def unfold(out: torch.Tensor, lse_log2: torch.Tensor, requests: int, hq: int):
     rows are (request, KV head) pairs in order and G heads each, so the views are exact. A row with
     no valid token gives lse -inf and out 0 whatever the kernel left there."""
     empty = ~torch.isfinite(lse_log2)
-    lse = torch.where(empty, float("-inf"), lse_log2 * LN2)
+    lse = torch.where(empty, NEG_INF, lse_log2 * LN2)
     out = out.masked_fill(empty[..., None], 0.0)
     return out.reshape(requests, hq, out.shape[-1]), lse.reshape(requests, hq)
 
@@ -195,7 +181,7 @@ def unfold(out: torch.Tensor, lse_log2: torch.Tensor, requests: int, hq: int):
 def require_flashinfer():
     """The flashinfer module, or RuntimeError saying how to get it (never called on CPU paths)."""
     try:
-        import flashinfer
+        import flashinfer  # optional: flashinfer (CUDA only; NOSA_DECODE_IMPL=flashinfer)
     except ImportError as e:
         raise RuntimeError(f"NOSA_DECODE_IMPL=flashinfer needs the flashinfer package ({e}); install it with "
                            f"`pip install flashinfer-python=={FLASHINFER_VERSION}` (CUDA only, JIT-compiles the NOSA "

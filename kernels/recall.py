@@ -1,32 +1,25 @@
 """Recall: copy (block, KV head) items between the host KV pool and the device block cache.
 
-Layout (fixed by the offloading design): an *item* is one (block, KV head) of one layer, contiguous.
-Host pool: k_host, v_host [P, Hkv, B, D], cis_host [P, Hkv, B] viewed as [P*Hkv, B, D] / [P*Hkv, B]
-(item id = page * Hkv + head). Device cache: k_dev, v_dev [S, B, D], cis_dev [S, B] (one item per
-slot). Any tensor whose dim 0 indexes contiguous items works: the item is the rest of the tensor.
-
-``copy_items(dst, src, dst_idx, src_idx)`` copies item src_idx[m] of src[i] to item dst_idx[m] of
-dst[i] for every pair i and every m with src_idx[m] >= 0 (index lists have a fixed length M,
-padded with -1, so a CUDA launch has static shapes; dst_idx of a padded entry is ignored). The same
-call writes completed blocks back host-ward (dst = host tensors).
-
-- CUDA: one Triton launch for all pairs (K, V and cis together); a pinned host tensor is passed
-  straight to the kernel (UVA), so no staging copy and no host synchronisation.
-- CPU (``ItemCopier``, the recall engine of a CPU server and the reference): items are viewed as
-  rows (``copy_rows``: narrow elements widened, int64 when the item size allows: byte-row
-  index_copy_ measured 5x slower), gathered with index_select(out=staging) and scattered with
-  index_copy_, in chunks small enough that the staging buffer stays in cache (so the scatter reads
-  cache, not memory).
+An *item* is one (block, KV head) of one layer, contiguous. Host pool: k_host, v_host [P, Hkv, B,
+D], cis_host [P, Hkv, B] viewed as [P*Hkv, B, D] / [P*Hkv, B] (item id = page * Hkv + head).
+Device cache: k_dev, v_dev [S, B, D], cis_dev [S, B] (one item per slot). Any tensor whose dim 0
+indexes contiguous items works. ``copy_items(dst, src, dst_idx, src_idx)`` copies item
+src_idx[m] of src[i] to item dst_idx[m] of dst[i] for every pair i and every m with src_idx[m] >=
+0 (index lists [M], padded with -1, so a CUDA launch has static shapes); the same call writes
+completed blocks back host-ward. CUDA: one Triton launch for all pairs, pinned host tensors read
+directly (UVA). CPU: ``ItemCopier`` (the recall engine of a CPU server and the reference), through
+cache-resident staging.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Sequence
 
 import torch
+
+from nosa import env
 
 # (dtype, bytes), widest first: item rows are read in the widest element dividing their bytes
 _WIDE = tuple((wide, wide.itemsize) for wide in (torch.int64, torch.int32, torch.int16, torch.uint8))
@@ -63,7 +56,7 @@ def debug_checks() -> bool:
     """$NOSA_DEBUG_CHECKS=1: check index bounds on every copy. Off by default: the check reads the
     indices on the host, a synchronisation per call on CUDA that a captured step cannot make, and
     on CPU it cost more than copying a few items (the offloading profile)."""
-    return os.environ.get("NOSA_DEBUG_CHECKS", "0") == "1"
+    return env.flag("NOSA_DEBUG_CHECKS")
 
 
 def check_bounds(dst, src, dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
@@ -207,8 +200,8 @@ def copy_items_triton(dst, src, dst_idx, src_idx) -> None:
 @functools.cache
 def kernels() -> dict:
     """{"copy"}: the @triton.jit kernel, built on first use (importing needs no triton)."""
-    import triton
-    import triton.language as tl
+    import triton  # optional: triton (CUDA, or TRITON_INTERPRET=1 for tests)
+    import triton.language as tl  # optional: triton
 
     @triton.jit
     def copy_kernel(DST_IDX, SRC_IDX, D0, S0, D1, S1, D2, S2,

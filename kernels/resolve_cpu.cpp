@@ -1,6 +1,6 @@
 // One decode layer's resolve through the device block cache, fused, for CPU servers.
 //
-// The spec is the torch code of nosa.serve.offload.block_cache.DeviceBlockCache.resolve_step (its
+// The spec is the torch code of nosa.serve.offload.block_cache.DeviceBlockCache.resolve_layer (its
 // path without a prefetch); nosa.kernels.resolve_cpu loads this file and tests compare the two.
 // On a CPU that code is about 190 small torch ops per layer, and their dispatch, not the bytes,
 // was most of what offloading cost a decode step; here it is one call.

@@ -1,6 +1,6 @@
 """A decode layer's resolve through the device block cache as one CPU kernel (resolve_cpu.cpp).
 
-The torch code of nosa.serve.offload.resolve.ResolveStep.resolve_step is the spec (it is
+The torch code of nosa.serve.offload.block_cache.DeviceBlockCache.resolve_layer is the spec (it is
 what a GPU and a captured step run); this is the same step for a CPU server, where that code's ~190
 small ops per layer cost more in dispatch than the copy itself. The C++ file is compiled on first use
 with the system's C++ compiler (``$CXX``, else ``c++``; about a second) into
@@ -24,6 +24,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from nosa import env
 from nosa.kernels.recall import check_indices
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class Resolved(NamedTuple):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("NOSA_KERNEL_CACHE") or Path.home() / ".cache" / "nosa" / "kernels")
+    return env.path("NOSA_KERNEL_CACHE")
 
 
 def build(force: bool = False) -> Path:
@@ -111,7 +112,7 @@ def library():
 @torch.compiler.assume_constant_result
 def _ready() -> bool:
     """``NOSA_KERNELS`` unset or ``auto`` and the kernel built (a constant to torch.compile)."""
-    return (os.environ.get("NOSA_KERNELS") or "auto") == "auto" and library() is not None
+    return env.choice("NOSA_KERNELS") == "auto" and library() is not None
 
 
 def wanted_here(*tensors: torch.Tensor) -> bool:

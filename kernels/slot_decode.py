@@ -1,18 +1,14 @@
 """NOSA decode attention over the device block cache (offloading on): Triton kernel + torch reference.
 
-Layout (fixed by the offloading design): the device cache of one layer holds items (one block of
-one KV head each): k_dev [S, B, D], v_dev [S, B, Dv], cis_dev [S, B] float32. Each (request, KV
-head) owns NS slots: slots [R, Hkv, NS] int64 (-1 = unused), fill [R, Hkv, NS] int32 (valid tokens
-of the slot's block counted from its start: B for a complete block, fewer for the tail block,
-0 = skip). q [R, Hq, D] is the one query of each request, G = Hq // Hkv query heads per KV head.
+Layout: the device cache of one layer holds items (one block of one KV head each): k_dev [S, B, D],
+v_dev [S, B, Dv], cis_dev [S, B] float32. Each (request, KV head) owns NS slots: slots [R, Hkv, NS]
+int64 (-1 = unused), fill [R, Hkv, NS] int32 (valid tokens of the slot's block from its start: B
+for a complete block, fewer for the tail block, 0 = skip). q [R, Hq, D], G = Hq // Hkv.
 
 out[r, h] = softmax_j(scale * q[r, h] . k_j + cis_j) v_j over the valid tokens j of the slots of
-KV head h // G (slot order is irrelevant to the softmax); lse[r, h] = log sum_j exp(logit_j) in
-fp32, -inf (and out = 0) when no token is valid, so results over disjoint slot sets merge exactly.
-
-Kernel: one program per (request, KV head, split): the G query heads of the group are the rows of
-one tile, an online softmax runs over the split's slots; with more than one split a second kernel
-merges the splits by their lse (split-K: a long budget spreads over more SMs).
+KV head h // G (slot order is irrelevant); lse[r, h] = log sum_j exp(logit_j) in fp32, -inf (and
+out = 0) when no token is valid, so results over disjoint slot sets merge exactly. One program
+per (request, KV head, split); with several splits a second kernel merges them by their lse.
 """
 
 from __future__ import annotations
@@ -20,6 +16,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from nosa.layout import NEG_INF
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -68,7 +66,7 @@ def slot_decode_reference(q, k_dev, v_dev, cis_dev, slots, fill, scale: float):
         k = k_dev.index_select(0, items).to(dt).view(hkv, ns * block, d)
         v = v_dev.index_select(0, items).to(dt).view(hkv, ns * block, dv)
         c = cis_dev.index_select(0, items).to(dt).view(hkv, ns * block)
-        bias = torch.where(valid[i].view(hkv, ns * block), c, float("-inf"))
+        bias = torch.where(valid[i].view(hkv, ns * block), c, NEG_INF)
         qg = q[i].to(dt).view(hkv, hq // hkv, d)
         logits = torch.baddbmm(bias[:, None, :], qg, k.transpose(1, 2), alpha=scale)  # [Hkv, G, T]
         top = logits.amax(dim=-1, keepdim=True)
@@ -77,7 +75,7 @@ def slot_decode_reference(q, k_dev, v_dev, cis_dev, slots, fill, scale: float):
         total = p.sum(dim=-1, keepdim=True)
         safe = torch.where(total > 0, total, 1.0)
         outs.append((torch.bmm(p, v) / safe).view(hq, dv))
-        lses.append(torch.where(total > 0, top + torch.log(safe), float("-inf")).view(hq))
+        lses.append(torch.where(total > 0, top + torch.log(safe), NEG_INF).view(hq))
     return torch.stack(outs).to(q.dtype), torch.stack(lses).float()
 
 
@@ -90,9 +88,9 @@ def default_splits(rows: int, hkv: int, ns: int) -> int:
 def slot_decode_plan(q, k_dev, v_dev, cis_dev, slots, fill, scale: float, num_splits: int | None = None):
     """(launches, out, lse): the kernel launches as (kernel name, grid, args, constexprs), shared by
     the launcher and the ahead-of-time compile test."""
-    import triton
+    import triton  # optional: triton (CUDA, or TRITON_INTERPRET=1 for tests)
 
-    from nosa.kernels.tile import exact_products
+    from nosa.kernels.tile import exact_products  # optional: triton (via tile)
 
     check_inputs(q, k_dev, v_dev, cis_dev, slots, fill)
     for name, t in (("q", q), ("k_dev", k_dev), ("v_dev", v_dev), ("cis_dev", cis_dev), ("slots", slots),
@@ -149,10 +147,10 @@ def kernels() -> dict:
     """{"split", "merge"}: the @triton.jit kernels, built on first use (importing needs no triton)."""
     # module globals, not closure names: under TRITON_INTERPRET=1 a kernel's names resolve in its module
     global dot, softmax_result, softmax_step
-    import triton
-    import triton.language as tl
+    import triton  # optional: triton (CUDA, or TRITON_INTERPRET=1 for tests)
+    import triton.language as tl  # optional: triton
 
-    from nosa.kernels.tile import dot, softmax_result, softmax_step
+    from nosa.kernels.tile import dot, softmax_result, softmax_step  # optional: triton (via tile)
 
     @triton.jit
     def split_kernel(Q, K, V, CIS, SLOTS, FILL, OUT, LSE,

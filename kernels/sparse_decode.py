@@ -1,17 +1,13 @@
 """Batched NOSA decode attention over selected blocks of a paged KV pool: Triton kernel + torch reference.
 
-Layout (SGLang's token pool): k_pool, v_pool [N, Hkv, D] and cis_pool [N, Hkv] are indexed by token
-slot; token_table [B, T] int32 maps a sequence's positions to slots (SGLang's req_to_token rows);
-q [B, Hq, D] is the one query of each sequence; selection [B, Hkv, K] holds the selected block
-indices (-1 = none, as returned by nosa.select.select_blocks); seq_lens [B]. Output [B, Hq, D].
-
+Layout (SGLang's token pool): k_pool, v_pool [N, Hkv, D], cis_pool [N, Hkv] by token slot;
+token_table [B, T] int32 (a sequence's positions -> slots, SGLang's req_to_token rows); q [B, Hq, D];
+selection [B, Hkv, K] (-1 = none, as nosa.select.select_blocks returns); seq_lens [B] -> [B, Hq, D].
 out[b, h] = softmax_j(q[b, h] . k_j * scale + cis_j) v_j over the tokens j < seq_lens[b] of the
-selected blocks of KV head h // G: exactly nosa.NosaDecodeState.attend for contexts above
-dense_len (tests/test_kernels.py checks both equalities). With ``return_lse=True`` both also return
-lse [B, Hq] float32 = log sum_j exp(logit_j) (-inf, out 0, when no token is valid), so partial
-results over disjoint key sets merge exactly (nosa.kernels.slot_decode has the same convention).
-The kernel runs one program per (sequence, KV head), all G query heads of the group together, with
-an online softmax over the K blocks; on CPU it runs under TRITON_INTERPRET=1 (tests only: ~1 ms per program).
+selected blocks of KV head h // G: exactly nosa.NosaDecodeState.attend above dense_len
+(tests/test_kernels.py). With ``return_lse=True`` also lse [B, Hq] float32 = log sum_j exp(logit_j)
+(-inf, out 0, when no token is valid), as nosa.kernels.slot_decode. One program per (sequence, KV
+head), an online softmax over the K blocks; on CPU only under TRITON_INTERPRET=1 (tests).
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ import functools
 
 import torch
 
-from nosa.attention.math import gather_heads, selected_tokens
+from nosa.layout import NEG_INF, gather_heads, selected_tokens
 
 
 def sparse_decode_reference(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale,
@@ -36,7 +32,7 @@ def sparse_decode_reference(q, k_pool, v_pool, cis_pool, token_table, selection,
         slots = token_table[b, tokens[b]].long()  # [Hkv, K*B]
         k = gather_heads(k_pool, slots).float()
         v = gather_heads(v_pool, slots).float()
-        bias = gather_heads(cis_pool, slots).float().masked_fill(~valid[b], float("-inf"))
+        bias = gather_heads(cis_pool, slots).float().masked_fill(~valid[b], NEG_INF)
         qg = q[b].float().reshape(hkv, group, d)
         logits = torch.einsum("hgd,htd->hgt", qg, k) * scale + bias[:, None, :]
         row_lse = torch.logsumexp(logits, -1)  # [Hkv, G]
@@ -58,9 +54,9 @@ def sparse_decode(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens,
 
 def sparse_decode_plan(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale):
     """(grid, args, constexprs) of the launch, shared with the ahead-of-time compile test."""
-    import triton
+    import triton  # optional: triton (CUDA, or TRITON_INTERPRET=1 for tests)
 
-    from nosa.kernels.tile import exact_products
+    from nosa.kernels.tile import exact_products  # optional: triton (via tile)
 
     bsz, hq, d = q.shape
     hkv, topk = selection.shape[1], selection.shape[2]
@@ -98,10 +94,10 @@ def kernels() -> dict:
     """{"decode"}: the @triton.jit kernel, built on first use (importing needs no triton)."""
     # module globals, not closure names: under TRITON_INTERPRET=1 a kernel's names resolve in its module
     global dot, softmax_result, softmax_step
-    import triton
-    import triton.language as tl
+    import triton  # optional: triton (CUDA, or TRITON_INTERPRET=1 for tests)
+    import triton.language as tl  # optional: triton
 
-    from nosa.kernels.tile import dot, softmax_result, softmax_step
+    from nosa.kernels.tile import dot, softmax_result, softmax_step  # optional: triton (via tile)
 
     @triton.jit
     def decode_kernel(Q, K, V, CIS, TOK, SEL, LENS, OUT, LSE,

@@ -1,6 +1,6 @@
 """NOSA block-sparse prefill attention, forward and backward: Triton kernels + torch reference.
 
-Layout (one sequence, token-major as nosa.attention.math): q [n, Hq, D]; k [L, Hkv, D], v [L, Hkv, Dv];
+Layout (one sequence, token-major as nosa.layout): q [n, Hq, D]; k [L, Hkv, D], v [L, Hkv, Dv];
 cis [L, Hkv]; sel [n, Hkv, K] selected block ids of each query row (-1 = none, as
 nosa.select.select_blocks returns); positions [n] (token position of each row). G = Hq // Hkv.
 
@@ -8,16 +8,8 @@ out[i, h] = softmax_j(scale * q[i, h] . k_j + cis_j) v_j over the tokens j <= po
 blocks sel[i, h // G] (causal inside the current block); lse[i, h] = log sum_j exp(logit_j) (fp32;
 -inf and out = 0 for a row with nothing to attend). This is nosa.attention.prefill.attend_selected's
 selected-block attention (the rows past dense_len); tests/test_kernels_prefill.py checks both.
-
-Kernels (InfLLM-v2 style tiling): one program per (tile of TQ consecutive query rows, KV head); the
-TQ x G query heads of the tile are the rows of one matrix tile. The wrapper lists the union of the
-blocks the tile's rows selected (rows of a tile mostly share their blocks: sink, window, static
-picks); the program walks that union once, loading each block once for the whole tile, and masks
-out the rows that did not select it. Backward recomputes the probabilities from lse in two
-passes without per-step atomics (as FlashAttention-2 does, over sparse lists): dq walks each
-tile's union; dk, dv, dcis walk, per (KV head, block), the inverted list of tiles that read the
-block (``block_work``), in chunks so that the sink block, read by every tile, is spread over many
-programs (one fp32 atomic add per element and chunk).
+Kernels: one program per (tile of TQ query rows, KV head) over the union of the tile's blocks;
+the backward recomputes probabilities from lse, with no per-step atomics (``block_work``).
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ import functools
 
 import torch
 
-from nosa.attention.math import selected_tokens
+from nosa.layout import NEG_INF, selected_tokens
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -61,7 +53,7 @@ def sparse_prefill_reference(q, k, v, cis, sel, positions, block_size: int, scal
     rows = (tokens * hkv + torch.arange(hkv, device=q.device)[:, None]).flatten()
     kk = k.reshape(-1, d).index_select(0, rows).to(dt).view(n, hkv, -1, d)
     vv = v.reshape(-1, dv).index_select(0, rows).to(dt).view(n, hkv, -1, dv)
-    bias = torch.where(valid, cis.reshape(-1).index_select(0, rows).to(dt).view_as(valid), float("-inf"))
+    bias = torch.where(valid, cis.reshape(-1).index_select(0, rows).to(dt).view_as(valid), NEG_INF)
     qg = q.to(dt).view(n, hkv, hq // hkv, d)
     logits = torch.einsum("nhgd,nhtd->nhgt", qg, kk) * scale + bias[:, :, None, :]
     top = logits.detach().amax(dim=-1, keepdim=True)
@@ -71,7 +63,7 @@ def sparse_prefill_reference(q, k, v, cis, sel, positions, block_size: int, scal
     has = total > 0
     safe = torch.where(has, total, 1.0)  # rows with nothing to attend: out 0, lse -inf, finite gradients
     out = torch.einsum("nhgt,nhtd->nhgd", p / safe, vv).reshape(n, hq, dv)
-    lse = torch.where(has, top + torch.log(safe), float("-inf")).reshape(n, hq)
+    lse = torch.where(has, top + torch.log(safe), NEG_INF).reshape(n, hq)
     return out.to(q.dtype), lse  # lse in fp32 (fp64 for fp64 inputs, so gradcheck sees no rounding)
 
 
@@ -123,9 +115,9 @@ def choose_tile(sel: torch.Tensor, num_blocks: int, group: int) -> int:
 
 
 def _consts(q, k, v, topk, block_size, tile):
-    import triton
+    import triton  # optional: triton (CUDA, or TRITON_INTERPRET=1 for tests)
 
-    from nosa.kernels.tile import exact_products
+    from nosa.kernels.tile import exact_products  # optional: triton (via tile)
 
     p2 = triton.next_power_of_2
     group = q.shape[1] // k.shape[1]
@@ -262,10 +254,10 @@ def kernels() -> dict:
     """{"forward", "dq", "dkdv"}: the @triton.jit kernels, built on first use (importing needs no triton)."""
     # module globals, not closure names: under TRITON_INTERPRET=1 a kernel's names resolve in its module
     global dot, softmax_result, softmax_step, tile_rows
-    import triton
-    import triton.language as tl
+    import triton  # optional: triton (CUDA, or TRITON_INTERPRET=1 for tests)
+    import triton.language as tl  # optional: triton
 
-    from nosa.kernels.tile import dot, softmax_result, softmax_step, tile_rows
+    from nosa.kernels.tile import dot, softmax_result, softmax_step, tile_rows  # optional: triton (via tile)
 
     @triton.jit
     def forward_kernel(Q, K, V, CIS, SEL, POS, UNION, COUNT, OUT, LSE,

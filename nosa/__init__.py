@@ -47,26 +47,29 @@ def _attach_folder_packages() -> None:
 _attach_folder_packages()
 
 
+# convert and from_pretrained are the public names of nosa.hf_models' functions, wrapped here (not
+# re-exported) because nosa.hf_models imports transformers and `import nosa` must not; the project's
+# own code calls nosa.hf_models directly.
 def convert(model, config: NosaConfig | None = None):
     """Turn a transformers Llama / Qwen2 / Qwen3 causal LM into NOSA in place (see nosa.hf_models.convert)."""
-    from nosa.hf_models import convert as _convert
+    from nosa.hf_models import convert as _convert  # optional: transformers (import nosa needs only torch)
 
     return _convert(model, config)
 
 
 def from_pretrained(path: str, config: NosaConfig | None = None, **kwargs):
     """Load a NOSA (or dense) checkpoint as a NOSA model (see nosa.hf_models.from_pretrained)."""
-    from nosa.hf_models import from_pretrained as _from_pretrained
+    from nosa.hf_models import from_pretrained as _from_pretrained  # optional: transformers, as above
 
     return _from_pretrained(path, config, **kwargs)
 
 
 def _register_configs() -> None:
-    import nosa.hf_configs  # noqa: F401  (importing it registers the NOSA config classes)
+    import nosa.hf_configs  # noqa: F401  # optional: transformers; importing it registers the NOSA config classes
 
 
 def _register_models() -> None:
-    import nosa.hf_models  # noqa: F401  (importing it registers the NOSA causal-LM classes)
+    import nosa.hf_models  # noqa: F401  # optional: transformers; importing it registers the NOSA causal-LM classes
 
 
 # AutoConfig / AutoModelForCausalLM learn the NOSA model types when transformers builds them (now,

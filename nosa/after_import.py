@@ -1,18 +1,12 @@
 """Run a function once a module has been imported, without importing it.
 
-``import nosa`` needs only torch, yet after it a plain ``AutoModelForCausalLM.from_pretrained`` of a
-NOSA checkpoint must find NOSA's model types in transformers' Auto registries, which exist only once
-transformers has imported them. ``when_imported(module, callback, quiet)`` runs ``callback`` right
-after ``module`` is imported, or at once when it already is.
-
-A callback may import any module of the package ``quiet`` (e.g. "transformers"): it runs only when
-no module of that package is still executing. transformers' modules import each other in chains
-(``modeling_llama`` -> ``modeling_layers`` -> ``modeling_auto``); a callback run the moment
-``modeling_auto`` finishes would meet ``modeling_llama`` half-initialised. To see when a chain ends,
-a finder at the front of ``sys.meta_path`` wraps the loader of every module of ``quiet`` while a
-callback is pending and counts the executions in progress. The finder leaves ``sys.meta_path`` once
-nothing is pending. Assumed: nothing registers a callback from inside an import of ``quiet`` (nosa is
-imported by user code, not by transformers), so a module already imported is complete.
+``when_imported(module, callback, quiet)`` runs ``callback`` right after ``module`` is imported, or
+at once when it already is: ``import nosa`` needs only torch, yet NOSA's model types must reach
+transformers' Auto registries once transformers builds them. A callback may import any module of
+the package ``quiet`` (e.g. "transformers"): it runs only when no module of that package is still
+executing (a finder at the front of ``sys.meta_path`` counts the executions in progress while a
+callback is pending), so it never meets a half-initialised module of an import chain. Assumed:
+nothing registers a callback from inside an import of ``quiet``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """The NOSA checkpoint format: what a saved NOSA model's config.json says, so that no loader can
 mistake it for its dense base model.
 
-A NOSA checkpoint is a transformers checkpoint whose config.json has
-- ``model_type`` "nosa_llama" / "nosa_qwen2" / "nosa_qwen3" and ``architectures``
-  ["NosaLlamaForCausalLM"] / ...: a loader that does not know NOSA stops instead of building the
-  dense model (transformers asks for ``trust_remote_code=True``; SGLang without nosa's plugin names
-  the unsupported architecture);
-- ``auto_map`` naming the classes in ``modeling_nosa.py``, a file beside config.json that imports
-  them from the installed nosa package (transformers' trust_remote_code route);
-- the NosaConfig under "nosa", and the eviction heads as
-  ``model.layers.{i}.self_attn.nosa_evict.{proj.weight, proj.bias, scale}`` tensors.
-
-Checkpoints written before the NOSA model types have the base model's type (llama / qwen2 / qwen3)
-and a "nosa" section: the *legacy* format. nosa.from_pretrained and the server still load them;
-``upgraded_config`` (``python -m nosa.upgrade``) rewrites their config.json. Only json is needed here.
+A NOSA checkpoint is a transformers checkpoint whose config.json has ``model_type`` "nosa_llama" /
+"nosa_qwen2" / "nosa_qwen3" and ``architectures`` ["NosaLlamaForCausalLM"] / ... (a loader that
+does not know NOSA stops instead of building the dense model); ``auto_map`` naming the classes in
+``modeling_nosa.py``, a file beside it that imports them from the installed nosa package; the
+NosaConfig under "nosa"; the eviction heads as ``model.layers.{i}.self_attn.nosa_evict.{proj.weight,
+proj.bias, scale}`` tensors. The *legacy* format (written before the NOSA model types) has the base
+model's type and a "nosa" section: nosa.from_pretrained and the server still load it, and
+``upgraded_config`` (``python -m nosa.upgrade``) rewrites it. Only json is needed here.
 """
 
 from __future__ import annotations

@@ -33,14 +33,14 @@ class NosaConfig:
     would pick every block anyway.
     """
 
-    block_size: int = 64
-    compress_kernel: int = 32
-    compress_stride: int = 16
-    sink_blocks: int = 1
-    window_blocks: int = 17
-    topk_blocks: int = 64
-    query_blocks: int = 15
-    dense_len: int = 4096
+    block_size: int = 64  # tokens per block: the unit the selection picks
+    compress_kernel: int = 32  # tokens per compressed window (the mean keys that score blocks for a query)
+    compress_stride: int = 16  # tokens between the starts of two compressed windows
+    sink_blocks: int = 1  # blocks at the start of the context, always selected
+    window_blocks: int = 17  # local blocks always selected, the current (partial) block included
+    topk_blocks: int = 64  # the budget: blocks each query row attends to, per KV head
+    query_blocks: int = 15  # free query-aware picks beyond sinks and window (locality bound: this + 1 per step)
+    dense_len: int = 4096  # contexts of at most this many tokens use dense attention
 
     def __post_init__(self) -> None:
         for name in ("block_size", "compress_kernel", "compress_stride", "window_blocks", "topk_blocks"):

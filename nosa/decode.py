@@ -1,39 +1,61 @@
-"""NOSA decode: one query per sequence per step with incremental state, the path serving and
-generate() use. A step is three parts that other code can sit between, each a public function so
-that a caller (the SGLang backend) can run them in a straight line and act between them:
+"""NOSA decode: one query per sequence per step with incremental state (serving and generate()).
 
-1. select (``decode_select``): per sequence only the q . compressed-key product (its compressed
-   keys are its own), then one batched selection (nosa.select) for the whole batch; each state
-   records which blocks entered and which left. ``decode_blocks`` turns the selection into the
-   blocks each sequence reads (every block for a sequence within dense_len);
-2. resolve (``KVView.resolve``, nosa.kv): make those blocks readable and say where they are
-   (a token-slot pool reads them in place; the offloading server diffs them against its device
-   block cache and recalls the misses from host memory);
-3. attend (``attend_resolved``): attention over the resolved rows (a GPU kernel when one fits,
-   else ``nosa.attention.math.attend_gathered``), returning (out, lse) so that partial results over
-   disjoint block sets merge exactly.
-``decode_attend`` runs the three for a batch; ``NosaDecodeState.attend`` for one sequence.
-
-Layout: q [R, Hq, D] (one row per decoding sequence). K, V and the eviction scores cis live in a
-pool the caller owns and are read through a KV view (nosa.kv): the state holds selection state
-only.
+A step is three public functions that a caller (the SGLang backend) runs in a straight line,
+acting between them: 1. select (``decode_select``, then ``decode_blocks``: the blocks each
+sequence reads); 2. resolve (``nosa.kv.KVView.resolve``: make them readable, say where they are);
+3. attend (``attend_resolved``: (out, lse), so results over disjoint block sets merge exactly).
+``decode_attend`` runs the three for a batch, ``NosaDecodeState.attend`` for one sequence.
+Layout: q [R, Hq, D], one row per decoding sequence; K, V and cis live in a pool the caller owns,
+read through a KVView: a state holds selection state only (in a ``DecodeStore``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from nosa.attention.gathered import chunk_end, default_row_chunk
-from nosa.attention.math import NEG_INF, attend_gathered, dense_attention
+from nosa.attention.math import attend_gathered, dense_attention
 from nosa.attention.prefill import attend_selected
 from nosa.compress import compress_windows, pool_to_blocks
 from nosa.config import NosaConfig
 from nosa.eviction import block_means
-from nosa.kv import ContiguousKV
+from nosa.kv import ContiguousKV, DeviceRows, KVView
+from nosa.layout import NEG_INF
 from nosa.select import block_scores_from_logits, query_block_scores, select_blocks, selection_change, static_selection
+
+
+class DecodeStore(Protocol):
+    """Where a NosaDecodeState keeps its compressed and static keys (``GrowingStore``, or a row of
+    nosa.state_pool.StatePool: ``PoolRow``). Hkv KV heads, C windows, NB blocks, D head dim:
+
+    - ``num_windows``: C, the compressed keys held; ``keys()`` -> [Hkv, C, D] float32;
+    - ``static()`` -> [Hkv, NB, 2] float32 (pooled eviction score, block mean; -inf not yet known);
+    - the writes of ``NosaDecodeState.append``: ``add_windows(keys [Hkv, c, D])``,
+      ``grow_blocks(NB)`` (new blocks -inf), ``set_means(first, means [Hkv, n])``,
+      ``raise_pooled(pooled [Hkv, NB])`` (elementwise max with the pooled scores);
+    - ``set_sizes(C, NB)``: the sizes after a batched step wrote the keys in place (a pool row only;
+      others raise ValueError).
+    """
+
+    @property
+    def num_windows(self) -> int: ...
+
+    def keys(self) -> torch.Tensor: ...
+
+    def static(self) -> torch.Tensor: ...
+
+    def add_windows(self, keys: torch.Tensor) -> None: ...
+
+    def grow_blocks(self, num_blocks: int) -> None: ...
+
+    def set_means(self, first: int, means: torch.Tensor) -> None: ...
+
+    def raise_pooled(self, pooled: torch.Tensor) -> None: ...
+
+    def set_sizes(self, num_windows: int, num_blocks: int) -> None: ...
 
 
 class NosaDecodeState:
@@ -43,18 +65,19 @@ class NosaDecodeState:
     block mean: the ``evict_scores`` of nosa.select.select_blocks) and the last selection [Hkv, K]
     with the blocks that entered and left it. Everything grows linearly with the context
     (amortised doubling buffers) and is updated incrementally: a step touches only the newest
-    window and block. K, V and cis stay in the caller's pool and are read through a KV view.
+    window and block. K, V and cis stay in the caller's pool and are read through a KVView.
 
-    ``store``: where the compressed and static keys live, if not in the state's own growing
-    buffers: an object with the methods of ``GrowingStore`` (the serving backend passes one row of
-    nosa.state_pool.StatePool, whose batched step then updates the keys in place).
+    ``store``: where the compressed and static keys live (a DecodeStore), if not in the state's own
+    ``GrowingStore`` (the serving backend passes one row of nosa.state_pool.StatePool, whose
+    batched step then updates the keys in place).
     """
 
-    def __init__(self, cfg: NosaConfig, num_kv_heads: int, head_dim: int, device=None, store=None):
+    def __init__(self, cfg: NosaConfig, num_kv_heads: int, head_dim: int, device=None,
+                 store: DecodeStore | None = None):
         self.cfg = cfg
         self.num_kv_heads = num_kv_heads
         self.length = 0
-        self.store = GrowingStore(num_kv_heads, head_dim, device) if store is None else store
+        self.store: DecodeStore = GrowingStore(num_kv_heads, head_dim, device) if store is None else store
         self.selection: torch.Tensor | None = None  # [Hkv, K]
         self.entered: torch.Tensor | None = None  # [Hkv, K] blocks new in the last selection, -1 padded
         self.left: torch.Tensor | None = None  # [Hkv, K] blocks of the previous selection dropped, -1 padded
@@ -80,8 +103,8 @@ class NosaDecodeState:
         always inside the local window, so it is never ranked before then."""
         return self.store.static()
 
-    def append(self, kv, seq: int = 0) -> None:
-        """Catch up with sequence ``seq`` of the KV view ``kv`` (nosa.kv): account for its tokens
+    def append(self, kv: KVView, seq: int = 0) -> None:
+        """Catch up with sequence ``seq`` of the KV view ``kv``: account for its tokens
         ``[self.length, kv.length(seq))``. Reads only the keys of the new compressed windows and
         the cis of the new windows and completed blocks."""
         cfg = self.cfg
@@ -128,12 +151,12 @@ class NosaDecodeState:
         positions = torch.tensor([position], device=static.device)
         return static_selection(static[None], positions, self.cfg)[0]
 
-    def attend(self, q: torch.Tensor, kv, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv: KVView, scale: float) -> torch.Tensor:
         """Decode attention for the last token: q [Hq, D] -> [Hq, D] over a one-sequence KV view
         (e.g. ``nosa.kv.ContiguousKV(k, v, cis)``)."""
         return decode_attend([self], q[None], kv, scale)[0]
 
-    def prefill(self, q: torch.Tensor, kv, scale: float, seq: int = 0, row_chunk: int | None = None):
+    def prefill(self, q: torch.Tensor, kv: KVView, scale: float, seq: int = 0, row_chunk: int | None = None):
         """Attention of the last n tokens of sequence ``seq`` of the KV view (q [n, Hq, D]), reading
         the context only through the view: (out [n, Hq, D], selection [n, Hkv, K]), equal to
         ``nosa_prefill`` on the whole context row for row.
@@ -262,14 +285,14 @@ def read_blocks(sel: torch.Tensor, lengths: torch.Tensor, cfg: NosaConfig, width
     return WantedBlocks(torch.where(dense[:, None, None], every, padded), lengths, dense)
 
 
-def attend_resolved(q: torch.Tensor, found, dense: torch.Tensor, block_size: int, scale: float,
+def attend_resolved(q: torch.Tensor, found: DeviceRows, dense: torch.Tensor, block_size: int, scale: float,
                     static: bool = False):
     """Attention of q [R, Hq, D] over the resolved blocks ``found`` (nosa.kv.DeviceRows):
     (out [R, Hq, D], lse [R, Hq] float32). Keys are weighted by exp(cis) except in the ``dense``
     [R] rows; a GPU kernel runs when the blocks come in a form it reads and no row is dense.
     ``static``: no host synchronisation (a captured step): the kernels, which cannot leave out the
     weighting per row, are not used then."""
-    from nosa import ops
+    from nosa import ops  # optional: import nosa loads no kernel code (nosa.ops imports kernels/)
 
     if ops.use_kernels(q) and not static and not bool(dense.any()):
         fast = _kernel_attend(q, found, block_size, scale)
@@ -282,10 +305,10 @@ def attend_resolved(q: torch.Tensor, found, dense: torch.Tensor, block_size: int
 
 
 def decode_attend(
-    states: Sequence[NosaDecodeState], q: torch.Tensor, kv, scale: float, return_lse: bool = False
+    states: Sequence[NosaDecodeState], q: torch.Tensor, kv: KVView, scale: float, return_lse: bool = False
 ):
     """Decode attention of a batch: q [R, Hq, D] -> out [R, Hq, D] (and lse [R, Hq] float32 with
-    ``return_lse``), the last token of each sequence; ``kv`` a KV view (nosa.kv) whose sequence i
+    ``return_lse``), the last token of each sequence; ``kv`` a KVView whose sequence i
     is ``states[i]``'s.
 
     select -> resolve -> attend: one selection for the whole batch (``decode_select``), the blocks
@@ -301,12 +324,12 @@ def decode_attend(
     return (out, lse) if return_lse else out
 
 
-def _kernel_attend(q, found, block_size: int, scale: float):
+def _kernel_attend(q, found: DeviceRows, block_size: int, scale: float):
     """(out, lse) from the GPU kernel that fits the resolved blocks (nosa.ops picks Triton on CUDA,
     or under NOSA_KERNELS=triton), or None to use the torch path (blocks in no form a kernel
     reads). Not for batches with dense rows, whose attention has no exp(cis) weighting, which the
     kernels always apply."""
-    from nosa import ops
+    from nosa import ops  # optional: import nosa loads no kernel code (nosa.ops imports kernels/)
 
     if found.slots is not None:
         return ops.slot_decode(q, *found.items, found.slots, found.fill, scale)
@@ -318,9 +341,8 @@ def _kernel_attend(q, found, block_size: int, scale: float):
 
 
 class GrowingStore:
-    """Where a NosaDecodeState keeps its keys by default: buffers of its own that grow with the
-    context. The methods are the store protocol (nosa.state_pool's paged rows have the same):
-    sizes, views and the four writes ``append`` makes."""
+    """The DecodeStore a NosaDecodeState keeps its keys in by default: buffers of its own that grow
+    with the context."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, device):
         self._ck = _Growable((num_kv_heads, 0, head_dim), torch.float32, device)

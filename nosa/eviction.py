@@ -72,7 +72,7 @@ def block_means(cis: torch.Tensor, num_blocks: int, block_size: int) -> torch.Te
 def read_eviction_tensors(model_dir: str) -> dict[str, torch.Tensor]:
     """Every ``*.nosa_evict.*`` tensor of a checkpoint's safetensors files (sharded or not), by name.
     Read directly, because model classes without eviction heads (transformers', SGLang's) skip them."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # optional: safetensors (import nosa needs only torch)
 
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):

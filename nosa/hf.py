@@ -1,22 +1,14 @@
 """The "nosa" attention of transformers models: the attention function and the eviction heads it reads.
 
-``add_eviction_heads`` gives every attention module an ``EvictionHead`` named ``nosa_evict`` and
-the NosaConfig; ``register`` makes "nosa" a transformers attention implementation (AttentionInterface,
-plus the SDPA mask function so padding reaches us). The NOSA model classes (nosa.hf_models) use
-both; ``nosa.convert`` and ``nosa.from_pretrained`` are there too.
-
-Inside the attention function, sequences are handled one at a time in the token-major layout of
-nosa.attention.math: prefill/training rows go through ``nosa_prefill`` (the spec), single-token decode
-rows go through ``NosaDecodeState`` kept per (layer, batch row) and checked against the cache on
-every step, so a stale state is rebuilt rather than trusted.
-
-Packed rows (several documents in one batch row, as nosa.train packs them): pass ``position_ids``
-that restart at 0 at each document and no cache (``use_cache=False``). Each document then attends
-only to itself (``nosa_prefill_varlen``), and transformers gives dense attention the same
-block-diagonal mask from the same position_ids, so dense and NOSA models see the same documents.
-
-``capture_attention_inputs(model)`` records each layer's q/k/v for analysis (nosa.train.metrics)
-through a per-module hook, without touching transformers' global attention registry.
+``add_eviction_heads`` gives every attention module an ``EvictionHead`` (``nosa_evict``) and the
+NosaConfig; ``register`` makes "nosa" a transformers attention implementation (with the SDPA mask
+function, so padding reaches us); the NOSA model classes (nosa.hf_models) use both. Per sequence,
+in the layout of nosa.layout: prefill/training rows go through ``nosa_prefill`` (the spec),
+single-token decode rows through a ``NosaDecodeState`` per (layer, batch row), checked against
+the cache on every step (a stale state is rebuilt, not trusted). Packed rows: pass
+``position_ids`` that restart at 0 per document and ``use_cache=False``: each document attends
+only to itself (``nosa_prefill_varlen``), as transformers' dense mask from the same position_ids.
+``capture_attention_inputs(model)`` records each layer's q/k/v for analysis (nosa.train.metrics).
 """
 
 from __future__ import annotations
@@ -39,8 +31,8 @@ SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)  # llama, qwen2, qwen3: the base mode
 
 def register() -> None:
     """Register the "nosa" attention (and its mask function) with transformers. Idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers import AttentionInterface  # cycle: transformers' auto -> nosa.hf_models -> nosa.hf
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # cycle: as above
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, nosa_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

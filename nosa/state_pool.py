@@ -1,41 +1,15 @@
-"""StatePool: the decode selection state of every running sequence, in buffers allocated once,
-so that a decode step of the whole batch runs on fixed shapes (a captured CUDA graph, or SGLang's
-CPU graph runner under torch.compile) with no host synchronisation.
+"""StatePool: the decode selection state of every running sequence, in buffers allocated once, so
+that a decode step of the whole batch runs on fixed shapes (a captured CUDA graph, or SGLang's CPU
+graph runner under torch.compile) with no host synchronisation.
 
-The state of a sequence is what ``nosa.decode.NosaDecodeState`` holds, kept here per layer (each
-buffer below is a list of L per-layer tensors, not one [L, ...] tensor: a compiled step writes into
-``buffer[layer]`` in place, while a write through a view of one stacked tensor is turned by
-torch.compile's functionalization into a copy of the whole stacked tensor every step, which grew
-with the server's capacity):
-
-- compressed keys and static block keys in *pages*, one page per block of the context:
-  ck [Hkv, P, B/s, D] float32 (the B/s windows that start in the block; head-major, so that a
-  step's gather of every page of its rows is one index_select whose result the scoring matmul reads
-  as it is: [Hkv, R, W, D]) and static [P, Hkv, 2] float32 (the block's pooled eviction score and
-  mean); ``table`` [N, NB + 1]
-  long gives the page of each block of each sequence slot (page 0 is a spare that no sequence
-  owns: writes that must land somewhere, and padding rows, go there). Pages are taken from a
-  free list as a context grows and given back when its sequence leaves, so memory follows the
-  tokens served (like the KV pool), not sequences x the longest context;
-- the last selection [N, Hkv, K] (-1 padded);
-- the tails: the last c keys [N, c, Hkv, D] (in the KV pool's dtype) and the last
-  T = max(c, B) eviction scores [N, T, Hkv] float32 of each sequence, in rings (token p at
-  p % c, p % T): all that a step needs to complete a window and a block, so a step never reads
-  the KV pool, wherever it lives (offloading keeps it in host memory).
-
-Shapes: L layers, N sequence slots (row 0 is the padding row: SGLang's ReqToTokenPool row 0 is
-never given to a request), P pages, Hkv KV heads, D head dim, B block size, s compress stride,
-c compress kernel, NB blocks of the longest context, K = topk_blocks, R rows of a batch.
-
-The per-step parts, batched over R sequences and shape-static: ``advance`` (account for each
-sequence's newest token: ring writes, the window and block it completes, written to the spare
-column/page when it completes none) and ``select`` (the selection of the newest token,
-nosa.select with ``branch_free``), reading spans ``windows`` / ``blocks`` that a caller fixes
-(the longest context's, for a captured step) or takes from the batch (eager). The host side
-(``open``, ``reserve``, ``release``, ``refill_tails``) runs outside a captured step:
-``open(row, layer)`` gives a NosaDecodeState over the row (``PoolRow``), through which a
-prefill or a catch-up after one writes the pages in place; ``reserve`` gives a row the pages its
-next step writes.
+Per layer (lists of L per-layer tensors: a compiled step writes ``buffer[layer]`` in place): ck
+[Hkv, P, B/s, D] and static [P, Hkv, 2] float32 in pages, one per block of a context (``table``
+[N, NB + 1] long: block -> page; page 0 is the spare that no sequence owns); the last selection
+[N, Hkv, K]; the rings tail_k [N, c, Hkv, D] and tail_cis [N, T, Hkv] (T = max(c, B)), so a step
+never reads the KV pool. Shapes: L layers, N sequence slots (row 0 is padding), s compress stride,
+c compress kernel, others as nosa.layout. Per step: ``advance``, ``select`` (batched,
+shape-static); host side: ``open`` (a NosaDecodeState over a row: ``PoolRow``), ``reserve``,
+``release``, ``refill_tails``.
 """
 
 from __future__ import annotations
@@ -45,10 +19,11 @@ import threading
 
 import torch
 
-from nosa.attention.math import NEG_INF
 from nosa.compress import compress_windows
 from nosa.config import NosaConfig
 from nosa.decode import NosaDecodeState
+from nosa.kv import KVView
+from nosa.layout import NEG_INF
 from nosa.select import block_scores_from_logits, select_blocks
 
 logger = logging.getLogger(__name__)
@@ -169,7 +144,7 @@ class StatePool:
             self.static[layer][:size] = old_static[layer]
         self._free = list(range(new_size - 1, size - 1, -1)) + free
 
-    def refill_tails(self, layer: int, row: int, kv, seq: int, length: int) -> None:
+    def refill_tails(self, layer: int, row: int, kv: KVView, seq: int, length: int) -> None:
         """The rings of ``row`` from tokens ``[length - T, length)`` of sequence ``seq`` of the KV
         view ``kv`` (after a prefill or a catch-up, before the row's next step)."""
         c, t = self.cfg.compress_kernel, self.tail_len
@@ -276,8 +251,10 @@ def pages_for(cfg: NosaConfig, token_capacity: int, num_rows: int) -> int:
 
 
 class PoolRow:
-    """The store of a NosaDecodeState (nosa.decode.GrowingStore's methods) over one row and layer
-    of a StatePool: its keys live in the row's pages."""
+    """The DecodeStore (nosa.decode) of a NosaDecodeState over one row and layer of a StatePool:
+    its keys live in the row's pages. Beyond the protocol, ``tails_at``: the context length the
+    row's rings were last brought to (``refill_tails``), read and written by the serving runner on
+    the host (-1: never)."""
 
     def __init__(self, pool: StatePool, layer: int, row: int):
         self.pool, self.layer, self.row = pool, layer, row

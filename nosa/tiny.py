@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from nosa.eviction import EvictionHead
+
 
 def build_causal_lm(model_type: str = "llama", seed: int | None = None, dtype=torch.float32,
                     attn_implementation: str = "sdpa", init_std: float | None = None, **config):
@@ -15,7 +17,7 @@ def build_causal_lm(model_type: str = "llama", seed: int | None = None, dtype=to
     from config keywords (``hidden_size=...``, ...). ``seed`` seeds torch's global generator first
     (the initialisation uses it); ``init_std`` re-draws every matrix from N(0, init_std) (larger
     logits, so greedy ties are rare). Bad config keywords raise ValueError naming the problem."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # optional: after nosa.train sets HF_HUB_OFFLINE
 
     try:
         hf_config = AutoConfig.for_model(model_type, **config)
@@ -53,8 +55,6 @@ def set_eviction_heads(model, scale: float, std: float = 0.3, seed: int = 0, bia
     (b = 0 when bias_std is 0), A = ``scale`` for every KV head of every layer, drawn from a
     generator seeded with ``seed`` (the global one is untouched). A freshly converted model has
     A = 0 (training-free selection); A != 0 makes the static part of the selection visible."""
-    from nosa.eviction import EvictionHead
-
     heads = [m for m in model.modules() if isinstance(m, EvictionHead)]
     if not heads:
         raise ValueError(f"set_eviction_heads: {type(model).__name__} has no eviction heads; call nosa.convert first")

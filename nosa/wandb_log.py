@@ -33,7 +33,7 @@ class Logger:
         os.environ.setdefault("WANDB_SILENT", "true")
         wandb_dir = wandb_dir or out_dir
         os.makedirs(wandb_dir, exist_ok=True)
-        import wandb
+        import wandb  # optional: wandb (the [train] extra; it reads WANDB_MODE, set above)
 
         self.run = wandb.init(
             project=project, name=name, dir=wandb_dir, config=config, mode=mode, reinit="finish_previous"

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from nosa import EvictionHead, NosaConfig, NosaDecodeState, nosa_prefill
-from nosa.attention.math import NEG_INF, attend_gathered, merge_attention
+from nosa.attention.math import attend_gathered, merge_attention
 from nosa.kv import ContiguousKV, PagedKV
+from nosa.layout import NEG_INF
 from nosa.select import blocks_entering, selection_change
 
 
@@ -155,3 +156,24 @@ def test_prefill_through_a_view_uses_the_kernel_when_asked(monkeypatch):
         state = NosaDecodeState(cfg, 2, 8)
         outs.append(state.prefill(q[64:], ContiguousKV(k, v, cis), 0.35)[0])
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+
+
+def test_the_views_and_stores_offer_every_member_of_their_protocol():
+    """KVView (nosa.kv) and DecodeStore (nosa.decode) are the seams' contracts: each implementation
+    here offers every member (serve's OffloadKV is checked with the serving tests' objects)."""
+    from nosa.decode import DecodeStore, GrowingStore
+    from nosa.kv import KVView
+    from nosa.state_pool import StatePool, pages_for
+
+    def members(protocol):
+        return {name for name in vars(protocol) if not name.startswith("_")}
+
+    k, cis = torch.zeros(8, 2, 4), torch.zeros(8, 2)
+    views = [ContiguousKV(k, k, cis), PagedKV(k, k, cis, torch.arange(8)[None], torch.tensor([0]), [8])]
+    cfg = NosaConfig.tiny()
+    pool = StatePool(cfg, 1, 3, 2, 4, 64, pages_for(cfg, 64, 3))
+    stores = [GrowingStore(2, 4, None), pool.open(1, 0).store]
+    assert members(KVView) == {"length", "keys", "cis", "resolve", "gather_blocks"}
+    for obj, protocol in [(v, KVView) for v in views] + [(s, DecodeStore) for s in stores]:
+        missing = sorted(name for name in members(protocol) if not hasattr(obj, name))
+        assert not missing, f"{type(obj).__name__} lacks {missing} of {protocol.__name__}"

@@ -8,7 +8,8 @@ B=64, G=4, K=64) and the tiny test shapes (there also fp32, which the tests run 
 
 The compiles run in one subprocess without TRITON_INTERPRET: under the interpreter (which
 conftest.py turns on for CPU runs) triton's own library functions are interpreter objects and
-cannot be compiled. ``python tests/test_kernels_aot.py [90] [80]`` runs them directly, prints JSON.
+cannot be compiled. ``PYTHONPATH=. python tests/test_kernels_aot.py [90] [80]`` runs them directly and
+prints JSON.
 """
 
 import json
@@ -21,6 +22,7 @@ import traceback
 import pytest
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCHS = [90, 80]
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
          torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8"}
@@ -157,6 +159,7 @@ def compiled():
     """Every compile, in one subprocess per architecture (run side by side) without the
     interpreter; {case id: "ok" or the error}."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)  # this checkout's nosa
     procs = [subprocess.Popen([sys.executable, __file__, str(arch)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for arch in ARCHS]
     results = {}
@@ -174,7 +177,6 @@ def test_kernel_compiles_ahead_of_time(compiled, case):
 
 
 def main(archs) -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     results = {}
     for case_id, fn, args in cases():
         if args[0] not in archs:
@@ -191,4 +193,4 @@ def main(archs) -> None:
 
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
-    main([int(a) for a in sys.argv[1:]] or ARCHS)  # python tests/test_kernels_aot.py [90] [80]
+    main([int(a) for a in sys.argv[1:]] or ARCHS)  # PYTHONPATH=. python tests/test_kernels_aot.py [90] [80]

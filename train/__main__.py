@@ -11,10 +11,12 @@ import argparse
 import os
 import sys
 
+from nosa.train.config import load_config
+from nosa.train.data import offline_env
+from nosa.train.loop import run
+
 
 def main(argv: list[str] | None = None) -> int:
-    from nosa.train.data import offline_env
-
     offline_env()  # before transformers / datasets are imported: they read it once, at import
     os.environ.setdefault("WANDB_MODE", "offline")
     parser = argparse.ArgumentParser(prog="python -m nosa.train", description=__doc__.split("\n\n")[0])
@@ -22,15 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     parser.add_argument("overrides", nargs="*", help="key=value, dotted for sections: optim.lr=1e-3")
     args = parser.parse_args(argv)
-
-    from nosa.train.config import load_config
-
     try:
         cfg = load_config(args.config, args.overrides)
     except ValueError as err:
         raise SystemExit(f"nosa.train: error: {err}") from None
-    from nosa.train.loop import run
-
     try:
         run(cfg)
     except ValueError as err:

@@ -49,7 +49,7 @@ def save(
     _barrier()
     model = engine.module
     if zero_stage == 3:
-        import deepspeed
+        import deepspeed  # optional: deepspeed reads DS_ACCELERATOR at import (nosa.train.engine sets it)
 
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
             if _rank() == 0:

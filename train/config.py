@@ -2,16 +2,20 @@
 ``key=value`` overrides (dotted keys reach into sections: ``optim.lr=1e-3``).
 
 Every key is known in advance: an unknown key, a wrong type or an inconsistent value raises
-ValueError naming the field before anything is written to disk. The NosaConfig section is checked
-by NosaConfig itself, so one config flows from the command line into the checkpoint.
+ValueError naming the field before anything is written to disk. The ``nosa`` section becomes a
+NosaConfig once, at load (NosaConfig's own errors name the field), so one config flows from the
+command line into the checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+import yaml
 
 from nosa.checkpoint_format import BY_NAME
 from nosa.config import NosaConfig
@@ -36,10 +40,10 @@ class TokenizerSection:
 @dataclass
 class SyntheticSection:
     dir: str = "data/synthetic"  # where the generated dataset (jsonl + meta.json) lives
-    tasks: list[str] = field(default_factory=lambda: list(TASKS))
-    train_examples: int = 2000
-    heldout_examples: int = 64
-    seed: int = 1234
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))  # tasks of nosa.train.synthetic.TASKS
+    train_examples: int = 2000  # training examples generated (at seq_len and at each curriculum length)
+    heldout_examples: int = 64  # held-out examples (heldout.jsonl, the eval rows)
+    seed: int = 1234  # seed of the generated examples
     # Facts lie between the sink blocks and the local window of the question (nosa.sink_blocks and
     # nosa.window_blocks, in tokens), at this depth range of the span between (0: right after the
     # sinks, 1: right before the window).
@@ -52,11 +56,11 @@ class RulerSection:
     written with the model's tokenizer at seq_len: the haystacks of ``train.jsonl`` are the training
     documents of nosa.train.prose, those of ``heldout.jsonl`` (the eval rows) held-out ones."""
 
-    dir: str = "data/ruler"
-    tasks: list[str] = field(default_factory=lambda: list(RULER_TASKS))
+    dir: str = "data/ruler"  # where the rows (train.jsonl, heldout.jsonl, meta.json) are written
+    tasks: list[str] = field(default_factory=lambda: list(RULER_TASKS))  # tasks of nosa.train.ruler.TASKS
     train_examples: int = 16  # per task
     heldout_examples: int = 1  # per task
-    seed: int = 1
+    seed: int = 1  # seed of the written examples
 
 
 @dataclass
@@ -64,40 +68,54 @@ class DataSection:
     synthetic: SyntheticSection | None = None  # None: use `ruler` or `train_files`
     ruler: RulerSection | None = None  # None: use `synthetic` or `train_files`
     train_files: list[str] = field(default_factory=list)  # local .jsonl/.json/.parquet/.txt
-    eval_files: list[str] = field(default_factory=list)
-    text_field: str = "text"
+    eval_files: list[str] = field(default_factory=list)  # held-out files (default: the generated heldout.jsonl)
+    text_field: str = "text"  # the text column of train_files and eval_files
     loss_on: str = "all"  # "all" tokens or only the answer "targets" (examples with targets spans)
     # weight of an answer token against any other labelled token in the loss (1: the plain mean)
     answer_weight: float = 1.0
-    num_proc: int = 1
+    num_proc: int = 1  # processes that tokenize the files (datasets.map)
 
 
 @dataclass
 class OptimSection:
     lr: float = 3e-4  # everything but the eviction heads
     lr_evict: float = 1e-3  # eviction heads (W, b, A)
-    weight_decay: float = 0.0
-    warmup_steps: int = 10
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 10  # linear warmup steps at the start of each phase
     min_lr_ratio: float = 0.1  # cosine decay floor
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 1.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    grad_clip: float = 1.0  # gradient norm clipping (DeepSpeed's gradient_clipping where that is "auto")
 
 
 @dataclass
 class WandbSection:
     mode: str | None = None  # None: $WANDB_MODE or "offline"; "online" needs a key; "disabled"
-    project: str = "nosa"
-    name: str | None = None
+    project: str = "nosa"  # W&B project
+    name: str | None = None  # W&B run name (None: W&B picks one)
     dir: str | None = None  # default: <out_dir>
 
 
 @dataclass
+class DistillSection:
+    """Before the NOSA fine-tune, fit the eviction heads to the dense attention (nosa.train.distill)."""
+
+    rows: int = 0  # training rows to fit on (0: no fit, the heads start at A = 0)
+    steps: int = 1000  # Adam steps of each layer's fit
+    lr: float = 3e-2  # the fit's learning rate
+    scale: float = 0.1  # A of every eviction head after the fit
+    # the window ranking term (nosa.train.distill.WindowRank): its weight beside the token loss (0: off)
+    rank_weight: float = 0.0
+    # its softmax temperature, in units of the window mean of softplus(W v + b)
+    rank_tau: float = 0.02
+
+
+@dataclass
 class TrainConfig:
-    out_dir: str = "runs/default"
-    seed: int = 0
-    seq_len: int = 2048
-    micro_batch: int = 1
-    grad_accum: int = 1
+    out_dir: str = "runs/default"  # checkpoints, metrics.jsonl and the W&B run go here
+    seed: int = 0  # seeds the model's initialisation and the order of the training rows
+    seq_len: int = 2048  # tokens per training row
+    micro_batch: int = 1  # rows per micro batch and rank (at seq_len)
+    grad_accum: int = 1  # micro batches per optimizer step
     dense_steps: int = 0  # dense training before conversion (0 for a pretrained dense LM)
     # Shorter rows first: [[steps, seq_len], ...] at the start of the dense phase, each stage with
     # micro_batch * seq_len / its seq_len rows per micro step (the same tokens per step); the rest
@@ -105,39 +123,26 @@ class TrainConfig:
     # that grows with the square of the length, so short rows first make it emerge sooner.
     curriculum: list[list[int]] = field(default_factory=list)
     steps: int = 100  # NOSA fine-tuning steps after conversion
-    # before them, fit the eviction heads to the dense attention on this many training rows
-    # (nosa.train.distill; 0: off, the heads start at A = 0) and then set every A to distill_scale
-    distill_rows: int = 0
-    distill_steps: int = 1000
-    distill_lr: float = 3e-2
-    distill_scale: float = 0.1
-    # the fit's window ranking term (nosa.train.distill.WindowRank): its weight beside the token
-    # loss (0: off) and its softmax temperature, in units of the window mean of softplus(W v + b)
-    distill_rank: float = 0.0
-    distill_rank_tau: float = 0.02
     dense_lr: float | None = None  # lr of the dense phase (default optim.lr)
     freeze_base: bool = False  # NOSA phase: train the eviction heads only
-    eval_every: int = 50  # and at the last step of each phase; 0: only at the last step
-    eval_examples: int = 32
-    save_every: int = 0  # 0: only at the end of each phase
-    keep_checkpoints: int = 2
-    log_every: int = 1
-    stats_every: int = 0  # selection statistics (default: with eval)
+    eval_every: int = 50  # held-out eval every N steps and at the last step of each phase; 0: only the last
+    eval_examples: int = 32  # held-out rows each eval reads
+    save_every: int = 0  # checkpoint every N steps; 0: only at the end of each phase
+    keep_checkpoints: int = 2  # newest checkpoints kept under <out_dir>/checkpoints (a phase's last always)
+    log_every: int = 1  # log the training metrics every N steps (and with every eval)
+    stats_every: int = 0  # selection statistics of one row every N steps (0: only with the eval)
     resume: str | None = None  # a checkpoint dir, or "auto" (latest under out_dir)
-    deepspeed: str = "configs/deepspeed/zero2.json"
-    progress: bool = True
-    nosa: dict[str, Any] = field(default_factory=dict)
-    model: ModelSection = field(default_factory=ModelSection)
-    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
-    data: DataSection = field(default_factory=DataSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    wandb: WandbSection = field(default_factory=WandbSection)
+    deepspeed: str = "configs/deepspeed/zero2.json"  # DeepSpeed config ("auto" values filled in)
+    progress: bool = True  # progress bars on rank 0
+    nosa: NosaConfig = field(default_factory=NosaConfig)  # the converted model's NOSA attention (its fields)
+    model: ModelSection = field(default_factory=ModelSection)  # the model to train
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)  # its tokenizer
+    data: DataSection = field(default_factory=DataSection)  # training and eval rows, and the loss
+    optim: OptimSection = field(default_factory=OptimSection)  # AdamW and the learning-rate schedule
+    wandb: WandbSection = field(default_factory=WandbSection)  # W&B logging (offline by default)
+    distill: DistillSection = field(default_factory=DistillSection)  # the eviction-head fit before the fine-tune
 
     # ---- derived -------------------------------------------------------------------------------
-    @property
-    def nosa_config(self) -> NosaConfig:
-        return NosaConfig.from_dict(dict(self.nosa))
-
     @property
     def total_steps(self) -> int:
         return self.dense_steps + self.steps
@@ -169,7 +174,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.total_steps < 1:
             raise ValueError("dense_steps + steps must be >= 1")
-        cfg = self.nosa_config  # NosaConfig raises ValueError naming the field
+        cfg = self.nosa  # checked by NosaConfig when built
         if self.seq_len % cfg.block_size:
             raise ValueError(f"seq_len={self.seq_len} must be a multiple of nosa.block_size={cfg.block_size}")
         self._validate_curriculum(cfg.block_size)
@@ -204,13 +209,14 @@ class TrainConfig:
             numbers = len(depth) == 2 and all(isinstance(x, (int, float)) for x in depth)
             if not numbers or not 0 <= depth[0] <= depth[1] <= 1:
                 raise ValueError(f"data.synthetic.depth={depth!r}: expected [lo, hi] with 0 <= lo <= hi <= 1")
-        if self.distill_rows < 0 or self.distill_steps < 1 or not self.distill_scale > 0:
+        fit = self.distill
+        if fit.rows < 0 or fit.steps < 1 or not fit.scale > 0:
             raise ValueError(
-                f"distill_rows={self.distill_rows}, distill_steps={self.distill_steps}, distill_scale="
-                f"{self.distill_scale}: expected rows >= 0, steps >= 1 and a positive scale"
+                f"distill.rows={fit.rows}, distill.steps={fit.steps}, distill.scale={fit.scale}: expected "
+                "rows >= 0, steps >= 1 and a positive scale"
             )
-        if self.distill_rank < 0 or not self.distill_rank_tau > 0:
-            raise ValueError(f"distill_rank={self.distill_rank}, distill_rank_tau={self.distill_rank_tau}: "
+        if fit.rank_weight < 0 or not fit.rank_tau > 0:
+            raise ValueError(f"distill.rank_weight={fit.rank_weight}, distill.rank_tau={fit.rank_tau}: "
                              "expected a weight >= 0 and a positive temperature")
         if not self.data.answer_weight > 0:
             raise ValueError(f"data.answer_weight={self.data.answer_weight}: expected a positive number")
@@ -258,8 +264,6 @@ class TrainConfig:
 def check_model_path(path: str) -> str:
     """The model_type of a local checkpoint; ValueError unless it is a supported causal LM (dense, or
     NOSA: model_type nosa_llama and the like, or a legacy NOSA checkpoint)."""
-    import json
-
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise ValueError(f"model.path={path!r} is not a Hugging Face checkpoint (no config.json)")
@@ -279,8 +283,6 @@ def check_model_path(path: str) -> str:
 # ---- loading -----------------------------------------------------------------------------------
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     """Read YAML (or nothing), apply ``a.b=value`` overrides (values parsed as YAML), validate."""
-    import yaml
-
     raw: dict[str, Any] = {}
     if path is not None:
         if not os.path.isfile(path):
@@ -315,6 +317,9 @@ def _build(cls, raw: Any, where: str):
     if not isinstance(raw, dict):
         raise ValueError(f"config section {where or '<top>'!r} must be a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    renamed = sorted(set(raw) & set(_RENAMED)) if cls is TrainConfig else []
+    if renamed:
+        raise ValueError("renamed config key(s): " + ", ".join(f"{old} is now {_RENAMED[old]}" for old in renamed))
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         prefix = f"{where}." if where else ""
@@ -325,7 +330,9 @@ def _build(cls, raw: Any, where: str):
     kwargs = {}
     for name, value in raw.items():
         sub = _SECTIONS.get((cls, name))
-        if sub is not None and value is not None:
+        if (cls, name) == (TrainConfig, "nosa"):
+            value = NosaConfig.from_dict(value)  # ValueError naming the field
+        elif sub is not None and value is not None:
             value = _build(sub, value, f"{where}.{name}" if where else name)
         kwargs[name] = _check_type(cls, fields[name], value, where)
     return cls(**kwargs)
@@ -367,6 +374,16 @@ _SECTIONS = {
     (TrainConfig, "data"): DataSection,
     (TrainConfig, "optim"): OptimSection,
     (TrainConfig, "wandb"): WandbSection,
+    (TrainConfig, "distill"): DistillSection,
     (DataSection, "synthetic"): SyntheticSection,
     (DataSection, "ruler"): RulerSection,
+}
+# keys of earlier versions -> their names now (an old key fails, naming the new one)
+_RENAMED = {
+    "distill_rows": "distill.rows",
+    "distill_steps": "distill.steps",
+    "distill_lr": "distill.lr",
+    "distill_scale": "distill.scale",
+    "distill_rank": "distill.rank_weight",
+    "distill_rank_tau": "distill.rank_tau",
 }

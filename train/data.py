@@ -1,24 +1,15 @@
 """Data: local files through ``datasets``, tokenised and packed to ``seq_len``.
 
-Rows are ``input_ids`` [seq_len], ``labels`` [seq_len] (-100 where no loss is taken), ``answers``
-[seq_len] (bool: the answer tokens of synthetic examples, which nosa.train.loss weighs
-``data.answer_weight``) and ``position_ids`` [seq_len], plus ``task`` (the synthetic task name, ""
-for plain text). Two kinds of source:
-
-- plain text (``text_field`` only): tokens of all documents joined by EOS and cut into rows of
-  exactly ``seq_len``; labels are the inputs.
-- supervised examples (``text`` + ``targets`` character spans, as written by nosa.train.synthetic):
-  only target tokens carry labels; whole examples are packed greedily into rows (never split), the
-  rest of a row is right padding with no label.
-
-Per-document attention: ``position_ids`` restart at 0 where a document starts (after each EOS of
-plain text, at each packed example, at the padding), so a document in a packed row attends only to
-itself and sees the positions it would see alone. Passed with ``use_cache=False`` they give dense
-(SDPA) attention a block-diagonal causal mask (transformers builds it from the restarts) and NOSA
-attention one ``nosa_prefill_varlen`` sequence per document (nosa.hf).
-
-``batch_at`` maps (step, micro step, rank) to a fixed set of rows (a seeded permutation per epoch),
-so a resumed run sees exactly the batches an uninterrupted one would.
+Rows are ``input_ids``, ``labels`` (-100 where no loss is taken), ``answers`` (bool: the answer
+tokens, which nosa.train.loss weighs ``data.answer_weight``) and ``position_ids``, each
+[seq_len], plus ``task`` ("" for plain text). Plain text (``text_field`` only): all documents
+joined by EOS and cut into rows of exactly ``seq_len``, labels = inputs. Supervised examples
+(``text`` + ``targets`` character spans, nosa.train.synthetic): only target tokens carry labels;
+whole examples are packed greedily into rows (never split), the rest is right padding with no
+label. ``position_ids`` restart at 0 where a document starts, so with ``use_cache=False`` each
+document of a packed row attends only to itself, densely (transformers' mask) and with NOSA
+(``nosa_prefill_varlen``, nosa.hf). ``batch_at`` maps (step, micro step, rank) to a fixed set of
+rows (a seeded permutation per epoch): a resumed run sees the batches an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -26,8 +17,11 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
+from nosa.train import ruler, synthetic
 from nosa.train.datadir import read_meta
+from nosa.train.tokenizer import load_tokenizer, token_counter, train_tokenizer
 
 IGNORE = -100
 
@@ -42,7 +36,7 @@ def offline_env() -> None:
 def load_files(paths: list[str]):
     """A ``datasets.Dataset`` from local .jsonl/.json/.parquet/.txt files (all of one kind)."""
     offline_env()
-    import datasets
+    import datasets  # optional: datasets reads HF_DATASETS_OFFLINE at import (offline_env() first)
 
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
@@ -96,7 +90,7 @@ def tokenize(ds, tokenizer, text_field: str = "text", num_proc: int = 1, targets
 
 def pack(ds, seq_len: int, pad_id: int, eos_id: int | None, examples: bool):
     """Rows of exactly ``seq_len`` tokens (see the module docstring)."""
-    import datasets
+    import datasets  # optional: datasets reads HF_DATASETS_OFFLINE at import (offline_env() first)
 
     rows = {"input_ids": [], "labels": [], "answers": [], "position_ids": [], "task": []}
     if examples:
@@ -166,11 +160,6 @@ def prepare_synthetic(
     atomically, with the tokenizer its lengths were measured with, under ``tokenizer/``): examples
     at seq_len and every curriculum length in ``lengths``, facts placed between ``head`` and
     ``tail`` tokens (nosa.train.synthetic)."""
-    import torch.distributed as dist
-
-    from nosa.train import synthetic
-    from nosa.train.tokenizer import load_tokenizer, token_counter, train_tokenizer
-
     want = dict(
         version=4,
         seq_len=seq_len,
@@ -219,11 +208,6 @@ def prepare_synthetic(
 def prepare_ruler(sec, seq_len: int, tokenizer_path: str, rank: int) -> str:
     """Make sure ``sec.dir`` holds RULER-style rows for these settings (nosa.train.ruler; rank 0
     writes them): examples of ``seq_len`` tokens with the tokenizer at ``tokenizer_path``."""
-    import torch.distributed as dist
-
-    from nosa.train import ruler
-    from nosa.train.tokenizer import load_tokenizer
-
     want = dict(version=2, tokenizer=os.path.abspath(tokenizer_path), tasks=list(sec.tasks), length=seq_len,
                 train=sec.train_examples, heldout=sec.heldout_examples, seed=sec.seed)
     meta = read_meta(sec.dir) or {}

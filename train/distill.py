@@ -1,38 +1,31 @@
-"""Fit the eviction heads to the dense model's attention before the NOSA fine-tune (optional,
-``distill_rows`` > 0).
+"""Fit the eviction heads to the dense model's attention before the NOSA fine-tune (optional:
+``distill.rows`` > 0; the settings are TrainConfig's ``distill`` section).
 
-Why: right after conversion every eviction head is off (A = 0), and a head only receives a gradient
-through the blocks that are already selected, so a fact block the query-aware scores miss never
-teaches its head to keep it. Here each head learns, from the dense attention of the converted model
-on training rows, which tokens later queries attend to from beyond their local window; then A is
-set to ``distill_scale`` so the static (query-agnostic) part of the selection ranks blocks by it.
-
-Target of token j and KV head h: the largest dense attention probability (of the dense model: the
-converted model runs densely while the fit reads its attention inputs) any query head of h's group
-gives j from a row t whose local window does not cover j (t // B - j // B >= window_blocks), over
-the rows of one document, each row weighed by what the training loss weighs its prediction
-(nosa.train.loss.row_weights: 0 for a row whose next token carries no label, ``data.answer_weight``
-for one that predicts an answer, 1 otherwise; divided by the largest). The heads thus learn what the
-objective needs from far away: with filler that repeats, the dense model also looks far back to copy
-filler, and unweighted targets ranked those filler tokens with the facts, so the static selection
-kept filler (measured: README, "Accuracy benchmark"). Sink-block tokens and tokens no such row sees
-carry no target. The head's logit ``W v_j + b`` (cis = A * softplus of it) is fitted to the target
-by binary cross-entropy with soft labels (``balanced_bce``), on inputs captured once (v does not
-depend on W, b), so the fit costs a few forward passes and no backward through the model.
-Optionally (``rank_weight`` > 0) a listwise term fits what the selection actually ranks, the mean
-of the head's score over each compressed window (``WindowRank``).
+Why: right after conversion every head is off (A = 0) and gets a gradient only through blocks
+already selected, so a fact block the query-aware scores miss never teaches its head to keep it.
+Target of token j and KV head h: the largest dense attention probability any query head of h's
+group gives j from a row t whose local window does not cover j, each row weighed as the training
+loss weighs it (nosa.train.loss.row_weights). The logit ``W v_j + b`` is fitted to it by balanced
+soft-label BCE on inputs captured once; then A is set to ``distill.scale``. Optionally
+(``distill.rank_weight`` > 0) a listwise term fits the window means the selection ranks
+(``WindowRank``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from nosa.compress import compress_windows
 from nosa.config import NosaConfig
 from nosa.eviction import MODULE_NAME
+from nosa.hf import capture_attention_inputs
+from nosa.layout import NEG_INF
+from nosa.train.config import DistillSection
 from nosa.train.loss import row_weights
 from nosa.train.metrics import dense_probs, first_document
 
@@ -62,31 +55,26 @@ def attention_targets(q, k, cfg: NosaConfig, scale: float, weight: torch.Tensor 
 
 
 def fit_eviction_heads(
-    model, rows, cfg: NosaConfig, steps: int, lr: float, scale: float, answer_weight: float = 1.0, print0=print,
-    progress: bool = False, rank_weight: float = 0.0, rank_tau: float = 0.02,
+    model, rows, cfg: NosaConfig, distill: DistillSection, answer_weight: float = 1.0, print0=print,
+    progress: bool = False,
 ) -> dict:
     """Fit W, b of every eviction head of the converted ``model`` on ``rows`` (packed training rows
-    with labels and answers, first document of each; rows weighed as the loss weighs them), then
-    set every A to ``scale``; ``progress``: progress bars over the rows and the layers. Returns
-    {"distill/loss_first", "distill/loss", "distill/seconds"}."""
-    import time
-
+    with labels and answers, first document of each; rows weighed as the loss weighs them) with the
+    ``distill`` settings, then set every A to ``distill.scale``; ``progress``: progress bars over
+    the rows and the layers. Returns {"distill/loss_first", "distill/loss", "distill/seconds"}."""
     t0 = time.perf_counter()
     data = capture_fit_inputs(model, rows, cfg, answer_weight, progress)
-    first, last = fit_heads(model, data, cfg, steps, lr, scale, rank_weight, rank_tau, progress)
+    first, last = fit_heads(model, data, cfg, distill, progress)
     seconds = time.perf_counter() - t0
     print0(f"eviction heads fitted to the dense attention: loss {first:.4f} -> {last:.4f} "
-           f"({steps} steps, {len(rows)} rows, {seconds:.0f} s); A = {scale}")
+           f"({distill.steps} steps, {len(rows)} rows, {seconds:.0f} s); A = {distill.scale}")
     return {"distill/loss_first": first, "distill/loss": last, "distill/seconds": seconds}
 
 
 def capture_fit_inputs(model, rows, cfg: NosaConfig, answer_weight: float = 1.0, progress: bool = False) -> dict:
     """What the fit reads, per attention module name: a list over ``rows`` of (v [L, Hkv, D],
     target [L, Hkv], valid [L, Hkv]) on the CPU (``attention_targets`` of the dense attention)."""
-    from tqdm import tqdm
-
-    import nosa
-    from nosa.hf import capture_attention_inputs
+    from nosa.hf_models import convert  # optional: transformers, after nosa.train sets HF_HUB_OFFLINE
 
     was_training = model.training
     model.eval()
@@ -94,7 +82,7 @@ def capture_fit_inputs(model, rows, cfg: NosaConfig, answer_weight: float = 1.0,
     data: dict[str, list] = {}
     # the targets are the dense model's attention: every layer runs densely while its inputs are
     # captured (A is still 0 and every row is within dense_len), so later layers see dense inputs
-    nosa.convert(model, dataclasses.replace(cfg, dense_len=max(len(row["input_ids"]) for row in rows)))
+    convert(model, dataclasses.replace(cfg, dense_len=max(len(row["input_ids"]) for row in rows)))
     with torch.no_grad():
         for row in tqdm(rows, desc="fit: dense attention", unit="row", disable=not progress, dynamic_ncols=True):
             ids = first_document(row["input_ids"], row["position_ids"])
@@ -108,26 +96,26 @@ def capture_fit_inputs(model, rows, cfg: NosaConfig, answer_weight: float = 1.0,
                 attn = model.get_submodule(name)
                 target, valid = attention_targets(q.cpu(), k.cpu(), cfg, attn.scaling, weight)
                 data.setdefault(name, []).append((v.cpu(), target, valid))
-    nosa.convert(model, cfg)
+    convert(model, cfg)
     model.train(was_training)
     return data
 
 
-def fit_heads(model, data: dict, cfg: NosaConfig, steps: int, lr: float, scale: float, rank_weight: float = 0.0,
-              rank_tau: float = 0.02, progress: bool = False) -> tuple[float, float]:
+def fit_heads(model, data: dict, cfg: NosaConfig, distill: DistillSection,
+              progress: bool = False) -> tuple[float, float]:
     """Fit every eviction head of ``model`` on ``capture_fit_inputs``'s ``data`` (from W, b as they
-    are) and set its A to ``scale``. Returns the token loss before and after, averaged over layers."""
-    from tqdm import tqdm
-
+    are; ``distill.steps`` at ``distill.lr``, the ranking term at ``distill.rank_weight``) and set
+    its A to ``distill.scale``. Returns the token loss before and after, averaged over layers."""
     first = last = 0.0
     for name, items in tqdm(data.items(), desc="fit: heads", unit="layer", disable=not progress, dynamic_ncols=True):
         head = getattr(model.get_submodule(name), MODULE_NAME)
         v, target, valid = (torch.cat([x[i] for x in items]) for i in range(3))
-        rank = WindowRank([x[0].shape[0] for x in items], cfg, rank_weight, rank_tau) if rank_weight > 0 else None
-        a, b = fit_head(head, v, target, valid, steps, lr, rank=rank)
+        rank = (WindowRank([x[0].shape[0] for x in items], cfg, distill.rank_weight, distill.rank_tau)
+                if distill.rank_weight > 0 else None)
+        a, b = fit_head(head, v, target, valid, distill.steps, distill.lr, rank=rank)
         first, last = first + a / len(data), last + b / len(data)
         with torch.no_grad():
-            head.scale.fill_(scale)
+            head.scale.fill_(distill.scale)
     return first, last
 
 
@@ -153,8 +141,8 @@ def fit_head(head, v, target, valid, steps: int, lr: float, batch: int = 2048, s
         idx = torch.multinomial(token_weight, batch, replacement=True, generator=gen)
         bce = F.binary_cross_entropy_with_logits(head.proj(x[idx]), target[idx], reduction="none")
         loss = ((bce * weight[idx]).sum(-1) / token_weight[idx]).mean()
-        if rank is not None and rank.weight > 0:
-            loss = loss + rank.weight * rank.loss(head.proj, x, target, valid, gen)
+        if rank is not None and rank.rank_weight > 0:
+            loss = loss + rank.rank_weight * rank.loss(head.proj, x, target, valid, gen)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -169,16 +157,16 @@ class WindowRank:
     the mean of cis over compressed windows (nosa.eviction.block_eviction_scores), so this fits the
     order of those means to the attention each window receives. Per row (document) and KV head, the
     cross-entropy between the windows' share of the target mass and softmax(window mean of
-    softplus(W v + b) / tau), over the windows whose every token has a target. The token loss alone
-    fits the few attended tokens (a digit, a name) and the punctuation that draws attention
+    softplus(W v + b) / rank_tau), over the windows whose every token has a target. The token loss
+    alone fits the few attended tokens (a digit, a name) and the punctuation that draws attention
     everywhere, and the window mean dilutes a lone attended token among 31 others; this term scores
     the window as the selection does. ``lengths``: the tokens of each row, in the order the rows
     were concatenated; ``rows_per_step`` rows are drawn per step."""
 
     lengths: list[int]
     cfg: NosaConfig
-    weight: float = 1.0
-    tau: float = 0.02
+    rank_weight: float = 1.0  # distill.rank_weight: the term's weight beside the token loss
+    rank_tau: float = 0.02  # distill.rank_tau: the softmax temperature
     rows_per_step: int = 4
 
     def __post_init__(self):
@@ -198,7 +186,7 @@ class WindowRank:
             if not live.any():
                 continue
             share = mass / mass.sum(0).clamp(min=1e-12)
-            logp = torch.log_softmax((score / self.tau).masked_fill(~whole, float("-inf")), dim=0)
+            logp = torch.log_softmax((score / self.rank_tau).masked_fill(~whole, NEG_INF), dim=0)
             total = total - (share * logp.masked_fill(~whole, 0.0)).sum(0)[live].sum()
             count += int(live.sum())
         return total / max(count, 1)

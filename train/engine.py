@@ -11,6 +11,7 @@ import os
 import torch
 
 from nosa.net import free_port
+from nosa.train.config import OptimSection
 
 
 def init_distributed() -> tuple[int, int, str]:
@@ -22,7 +23,7 @@ def init_distributed() -> tuple[int, int, str]:
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
+    import deepspeed  # optional: deepspeed reads DS_ACCELERATOR at import (set above)
 
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -57,23 +58,24 @@ def zero_stage(cfg: dict) -> int:
     return int(cfg.get("zero_optimization", {}).get("stage", 0))
 
 
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    """Linear warmup then cosine decay to ``min_ratio`` of the peak, as a LambdaLR factor."""
+def lr_lambda(warmup_steps: int, total: int, min_lr_ratio: float):
+    """Linear warmup then cosine decay to ``min_lr_ratio`` of the peak, as a LambdaLR factor."""
 
     def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
 
 
-def initialize(model, groups: list[dict], config: dict, betas, warmup: int, total: int, min_ratio: float):
-    """-> DeepSpeed engine wrapping ``model`` with AdamW over ``groups`` and a warmup-cosine LR."""
-    import deepspeed
+def initialize(model, groups: list[dict], config: dict, optim: OptimSection, total: int):
+    """-> DeepSpeed engine wrapping ``model`` with AdamW over ``groups`` (``optim.betas``) and a
+    warmup-cosine LR over ``total`` steps (``optim.warmup_steps``, ``optim.min_lr_ratio``)."""
+    import deepspeed  # optional: deepspeed reads DS_ACCELERATOR at import (init_distributed sets it)
 
-    optimizer = torch.optim.AdamW(groups, betas=tuple(betas))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup, total, min_ratio))
+    optimizer = torch.optim.AdamW(groups, betas=tuple(optim.betas))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim.warmup_steps, total, optim.min_lr_ratio))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine

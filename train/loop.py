@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from nosa.train import checkpoint, synthetic
 from nosa.train.config import TrainConfig
@@ -22,7 +23,7 @@ from nosa.train.distill import fit_eviction_heads
 from nosa.train.engine import ds_config, init_distributed, initialize, zero_stage
 from nosa.train.loss import weighted_loss
 from nosa.train.metrics import evaluate, selection_stats
-from nosa.train.model import build_model, eviction_scales, is_nosa, load_model, param_groups, to_nosa
+from nosa.train.model import build_model, eviction_scales, is_nosa, load_model, param_groups
 from nosa.train.tokenizer import load_tokenizer
 from nosa.wandb_log import Logger
 
@@ -46,7 +47,7 @@ def run(cfg: TrainConfig) -> dict:
     # ---- tokenizer and data ---------------------------------------------------------------------
     tok_path = cfg.tokenizer.path or cfg.model.path
     if cfg.data.synthetic is not None:
-        nosa_cfg = cfg.nosa_config  # facts outside the sinks and the question's local window
+        nosa_cfg = cfg.nosa  # facts outside the sinks and the question's local window
         data_dir = prepare_synthetic(
             cfg.data.synthetic, cfg.seq_len, cfg.tokenizer.vocab_size, tok_path, rank, cfg.seq_lens,
             head=nosa_cfg.sink_blocks * nosa_cfg.block_size, tail=nosa_cfg.window_blocks * nosa_cfg.block_size,
@@ -103,14 +104,14 @@ def run(cfg: TrainConfig) -> dict:
         if end <= max(start, state["step"]):  # empty, or done before the resume point
             continue
         if name == "nosa" and not is_nosa(model.config):
-            to_nosa(model, cfg.nosa_config)
-            print0(f"converted to NOSA: {cfg.nosa_config}")
-            if cfg.distill_rows:
-                fitted = fit_eviction_heads(model, rows.select(range(min(cfg.distill_rows, len(rows)))),
-                                            cfg.nosa_config, cfg.distill_steps, cfg.distill_lr,
-                                            cfg.distill_scale, cfg.data.answer_weight, print0,
-                                            progress=rank == 0 and cfg.progress, rank_weight=cfg.distill_rank,
-                                            rank_tau=cfg.distill_rank_tau)
+            from nosa.hf_models import convert  # optional: transformers, after nosa.train sets HF_HUB_OFFLINE
+
+            convert(model, cfg.nosa)  # A = 0: the converted model starts as training-free selection
+            print0(f"converted to NOSA: {cfg.nosa}")
+            if cfg.distill.rows:
+                fitted = fit_eviction_heads(model, rows.select(range(min(cfg.distill.rows, len(rows)))), cfg.nosa,
+                                            cfg.distill, cfg.data.answer_weight, print0,
+                                            progress=rank == 0 and cfg.progress)
                 logger.log(fitted, step=state["step"])
                 path = checkpoint.save_model(model, tokenizer, cfg.to_dict(), os.path.join(cfg.out_dir, "fitted"))
                 print0(f"saved {path} (the fitted model, before the fine-tune)")
@@ -122,9 +123,7 @@ def run(cfg: TrainConfig) -> dict:
         lr = cfg.optim.lr if name == "nosa" else (cfg.dense_lr or cfg.optim.lr)
         freeze = cfg.freeze_base and name == "nosa"
         groups = param_groups(model, lr, cfg.optim.lr_evict, cfg.optim.weight_decay, freeze)
-        engine = initialize(
-            model, groups, dscfg, cfg.optim.betas, cfg.optim.warmup_steps, end - start, cfg.optim.min_lr_ratio
-        )
+        engine = initialize(model, groups, dscfg, cfg.optim, end - start)
         if resume and state["step"] > start:  # resumed inside this phase: its optimizer and lr schedule
             checkpoint.load_engine_state(engine, resume)
         phase = Phase(
@@ -159,8 +158,6 @@ class Phase:
 
     def run(self) -> dict:
         """Train up to ``end``; returns the last step's metrics."""
-        from tqdm import tqdm
-
         cfg, state = self.cfg, self.state
         bar = tqdm(total=self.end, initial=state["step"], desc=self.name, disable=self.rank != 0 or not cfg.progress,
                    dynamic_ncols=True)
@@ -236,7 +233,7 @@ class Phase:
             out.update(evaluate(model, self.eval_rows, cfg.eval_examples))
         if nosa and (eval_due or _every(cfg.stats_every, done)):
             sample = (self.eval_rows if self.eval_rows is not None else self.rows_at[cfg.seq_len])[0]
-            out.update(selection_stats(model, sample["input_ids"], cfg.nosa_config,
+            out.update(selection_stats(model, sample["input_ids"], cfg.nosa,
                                        position_ids=sample["position_ids"]))
         return out
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from nosa.config import NosaConfig
+import nosa
 from nosa.eviction import MODULE_NAME
+from nosa.hf import nosa_config_of
+from nosa.tiny import build_causal_lm
 from nosa.train.config import check_model_path
 
 
 def build_model(build: dict, tokenizer, dtype=torch.float32):
     """A randomly initialised causal LM from a config dict (``model_type`` default llama), built by
     nosa.tiny.build_causal_lm (the project's one model builder) from the global RNG state."""
-    from nosa.tiny import build_causal_lm
-
     spec = dict(build)
     kind = spec.pop("model_type", "llama")
     spec.setdefault("vocab_size", len(tokenizer))
@@ -32,27 +32,16 @@ def build_model(build: dict, tokenizer, dtype=torch.float32):
 
 def load_model(path: str, dtype=torch.float32):
     """A local checkpoint: dense (sdpa attention) or NOSA (eviction heads and NosaConfig restored)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # optional: after nosa.train sets HF_HUB_OFFLINE
 
     check_model_path(path)
     if is_nosa(AutoConfig.from_pretrained(path)):
-        import nosa
-
         return nosa.from_pretrained(path, dtype=dtype)
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype)
 
 
 def is_nosa(hf_config) -> bool:
-    from nosa.hf import nosa_config_of
-
     return nosa_config_of(hf_config) is not None
-
-
-def to_nosa(model, cfg: NosaConfig):
-    """Convert in place (A = 0: the converted model starts as training-free selection)."""
-    import nosa
-
-    return nosa.convert(model, cfg)
 
 
 def param_groups(model, lr: float, lr_evict: float, weight_decay: float, freeze_base: bool) -> list[dict]:

@@ -2,20 +2,13 @@
 
     python -m nosa.train.prose --out data/prose        # writes train.jsonl and heldout.jsonl
 
-Sources; every document has a stable key ``source:name``:
-- ``topics``: ``pydoc_data.topics``, the Python documentation topics that every CPython ships
-  (one document per topic);
-- ``docstrings``: the standard library's docstrings of at least ``MIN_DOCSTRING`` characters,
-  read from the source files with ``ast`` (nothing is imported), one document per module;
-- ``licences``: the licence files of the installed distributions, deduplicated by prose (these
-  depend on what is installed, so the benchmark leaves them out; see ``FIXED_SOURCES``).
-
-Only prose is kept: paragraphs with an indented line (code, grammar rules, argument lists) and
-heading underlines are dropped, and the lines of a paragraph are joined into one.
-
-Split by document, not by sentence: a document is held out when ``sha256(key) mod 100 <
-heldout_percent``. Its side depends on its key alone, so installing a package (more licence
-documents) never moves another document from one side to the other.
+Sources (every document has a stable key ``source:name``): ``topics`` (``pydoc_data.topics``, one
+document per topic), ``docstrings`` (the standard library's docstrings of at least
+``MIN_DOCSTRING`` characters, read with ``ast``, one document per module) and ``licences`` (the
+installed distributions' licence files, deduplicated; they depend on what is installed, so the
+benchmark leaves them out: ``FIXED_SOURCES``). Only prose paragraphs are kept (no indented lines,
+no heading underlines). Split by document: held out when ``sha256(key) mod 100 <
+heldout_percent``, so installing a package never moves another document across the split.
 """
 
 from __future__ import annotations
@@ -31,6 +24,7 @@ import re
 import sys
 import sysconfig
 from dataclasses import dataclass
+from pydoc_data.topics import topics
 
 SOURCES = ("topics", "docstrings", "licences")
 FIXED_SOURCES = ("topics", "docstrings")  # the same on every install of one CPython version
@@ -109,8 +103,6 @@ def sentences(text: str) -> list[str]:
 
 
 def _topics():
-    from pydoc_data.topics import topics
-
     return sorted(topics.items())
 
 

@@ -1,29 +1,14 @@
 """RULER-style long-context tasks over real prose, generated here (no downloads).
 
-An example is one chat turn: an instruction, a haystack (held-out prose from nosa.train.prose, or
-repeated filler for the passkey) with inserted sentences, a question after it, and the start of the
-assistant's reply (RULER's answer prefix, which the reply continues). Its ``references`` are the
-strings a right reply contains. Tasks (after RULER, Hsieh et al. 2024):
-
-- ``passkey``: a 5-digit pass key in repeated filler ("The grass is green. ...");
-- ``niah_single``: one "special magic number" (7 digits) for a key, in prose;
-- ``niah_multikey``: 4 such needles with different keys; one is asked, 3 are distractors;
-- ``niah_multivalue``: 2 numbers for the same key; both are asked;
-- ``vt`` (variable tracking): ``VAR X = 12345.`` then ``VAR Y = VAR X.``; both names are asked;
-- ``qa``: a fact stated once ("Ada keeps the lantern in the green chest."), asked as a question
-  ("Where does Ada keep the lantern?"); the answer is the phrase that ends that sentence.
-
-Inserted sentences go between two sentences of the haystack at random depths in ``DEPTH`` (of the
-haystack's sentences): past the first blocks and well before the question, so a sparse selection
-has to find them. An example of ``length`` tokens has a prompt of at most ``length - max_new_tokens``
-tokens (so prompt and reply fit in ``length``); the haystack fills it to within a few tokens (its
-last sentence may be cut short).
-
-Scoring (``is_right``): the reply and each reference are normalised (lower case; a comma between
-two digits removed, so "1,234" reads "1234"; every other character that is not a letter or digit a
-space; runs of spaces one) and the reply is right when every reference occurs in it as whole
-words. That is exact match of the answer inside a sentence-long reply; a list with an item missing
-(multivalue, vt) is wrong. ``is_settled`` says when no continuation can change that verdict.
+An example (``Example``) is one chat turn: an instruction, a haystack (held-out prose from
+nosa.train.prose, or repeated filler for the passkey) with inserted sentences at random depths in
+``DEPTH``, a question, and the start of the reply (RULER's answer prefix); ``references`` are the
+strings a right reply contains. An example of ``length`` tokens has a prompt of at most ``length -
+max_new_tokens`` tokens. Tasks (``TASKS``, after RULER, Hsieh et al. 2024): ``passkey``,
+``niah_single``, ``niah_multikey``, ``niah_multivalue``, ``vt`` (variable tracking), ``qa``.
+Scoring (``is_right``): reply and references normalised (lower case, "1,234" -> "1234", other
+non-alphanumerics spaces); right when every reference occurs in the reply as whole words.
+``is_settled`` says when no continuation can change that verdict.
 """
 
 from __future__ import annotations
@@ -33,6 +18,9 @@ import json
 import random
 import re
 from dataclasses import asdict, dataclass
+
+from nosa.chat import chat_text
+from nosa.train import datadir, prose
 
 TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "vt", "qa")
 DEPTH = (0.1, 0.9)
@@ -106,9 +94,7 @@ class Haystack:
     """Held-out prose as a ring of sentences with their token counts, to cut haystacks from."""
 
     def __init__(self, tokenizer, texts: list[str]):
-        from nosa.train.prose import sentences
-
-        self.sentences = [s for text in texts for s in sentences(text)]
+        self.sentences = [s for text in texts for s in prose.sentences(text)]
         if not self.sentences:
             raise ValueError("Haystack: no sentences in the given texts")
         counts = tokenizer([" " + s for s in self.sentences], add_special_tokens=False)["input_ids"]
@@ -136,8 +122,6 @@ def make_examples(tokenizer, haystack: Haystack, task: str, length: int, count: 
 def _render(tokenizer, haystack: Haystack, task: str, length: int, index: int,
             rng: random.Random) -> tuple[Example, str]:
     """(the example, its prompt as text)."""
-    from nosa.chat import chat_text
-
     instruction, needles, question, prefix, references = _TASK_BUILDERS[task](rng)
     max_new = MAX_NEW_TOKENS[task]
     budget = length - max_new
@@ -199,8 +183,6 @@ def write_training_set(out_dir: str, tokenizer, tasks, length: int, train: int, 
     nosa.train.prose), ``heldout.jsonl`` (``heldout`` per task over the held-out documents that the
     benchmark also uses, from another random stream than the benchmark's examples) and ``meta.json``
     (``meta`` and the arguments) into ``out_dir``, atomically (a temp dir, then a rename)."""
-    from nosa.train import datadir, prose
-
     train_docs, _ = prose.split(prose.documents())
     _, heldout_docs = prose.split(prose.documents(prose.FIXED_SOURCES))
     files = ((name, training_examples(tokenizer, Haystack(tokenizer, [d.text for d in docs]), tasks, length, count,

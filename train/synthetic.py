@@ -1,30 +1,15 @@
-"""Synthetic long-context tasks: typed key-value recall (the default), passkey retrieval, multi-key
-needles, multi-query associative recall with names (MQAR) and variable tracking.
+"""Synthetic long-context tasks (``TASKS``): typed key-value recall (``recall``, the default), passkey
+retrieval, multi-key needles, multi-query associative recall with names (``mqar``) and variable tracking.
 
-``recall`` (the tiny default) is built so that a 2-layer model learns retrieval in minutes on a
-CPU: a value is ONE token that names its key (``K7`` belongs to key ``K``; ``RECALL_VALUES`` are
-added to the tokenizer as whole tokens), so answering ``K`` means finding the one ``K*`` token in
-the context and copying it: one attention hop by content, wherever the fact lies. Associative
-recall where the value does not name its key (``mqar``: ``ABC=12``) needs an induction circuit (a
-previous-token head composed with a matching head), which a tiny model did not learn within a
-CPU budget (measured; README, "Accuracy benchmark").
-
-An example is ``{"task", "text", "targets"}``: ``targets`` are character spans ``[start, end)`` of
-``text`` that the model must predict (the answers); everything else is context. Lengths are
-measured with a callable (characters by default, a tokenizer's token count when one is given); the
-example holds at most ``length`` units and at least ``length`` minus one filler word.
-
-Where the facts go is set in the same units: every fact lies at or after ``head`` (the sink blocks)
-and ends at least ``tail`` units before the question starts (the local window of every question
-position), at a ``depth`` in [0, 1] of the span between. With ``head = sink_blocks * block_size``
-and ``tail = window_blocks * block_size`` the answer sits in a block that only the selection can
-reach, which is what makes sparse attention matter. The text is a run of space-led pieces (the
-byte-level tokenizer never merges across a leading space), so token positions add up piece by
-piece and the placement is exact.
-
-``write_dataset`` writes ``train.jsonl`` (plus ``train-<L>.jsonl`` for each shorter curriculum
-length) and ``heldout.jsonl`` plus ``meta.json`` into a directory, atomically. Train and held-out
-examples come from different random streams (the split name is part of every example's seed).
+In ``recall`` a value is ONE token that names its key (``K7`` belongs to ``K``; ``RECALL_VALUES``
+join the tokenizer as whole tokens): one attention hop by content, which a 2-layer model learns in
+minutes on a CPU. An example is ``{"task", "text", "targets"}``: ``targets`` are the character
+spans ``[start, end)`` of ``text`` to predict; lengths are measured with a callable (characters, or
+a tokenizer's token count): at most ``length`` units. Every fact lies at or after ``head`` and ends
+at least ``tail`` units before the question, at a ``depth`` in [0, 1] of the span between (with
+``head = sink_blocks * block_size``, ``tail = window_blocks * block_size`` only the selection can
+reach it). ``write_dataset`` writes train.jsonl (and train-<L>.jsonl per curriculum length),
+heldout.jsonl (another random stream) and meta.json into a directory, atomically.
 """
 
 from __future__ import annotations

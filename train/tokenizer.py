@@ -10,6 +10,8 @@ empty prompt still has one token.
 
 from __future__ import annotations
 
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 
 # Role-tagged turns, each closed by EOS; the prompt ends with the assistant tag when a reply is
@@ -23,8 +25,6 @@ CHAT_TEMPLATE = (
 
 def add_bos(tokenizer_object, bos_token: str) -> None:
     """Make a ``tokenizers.Tokenizer`` prepend ``bos_token`` when special tokens are added."""
-    from tokenizers import processors
-
     bos_id = tokenizer_object.token_to_id(bos_token)
     if bos_id is None:
         raise ValueError(f"bos_token={bos_token!r} is not in the tokenizer's vocabulary")
@@ -37,8 +37,7 @@ def train_tokenizer(texts, vocab_size: int = 512, extra_tokens=()):
     """A byte-level BPE over ``texts`` (an iterable of str) -> PreTrainedTokenizerFast, plus
     ``extra_tokens``: strings that always encode as one token each (ids after the BPE's
     ``vocab_size``; e.g. the recall task's values, nosa.train.synthetic.RECALL_VALUES)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # optional: after nosa.train sets HF_HUB_OFFLINE
 
     if vocab_size < 256 + len(SPECIALS):
         raise ValueError(f"tokenizer.vocab_size={vocab_size} must be >= {256 + len(SPECIALS)} (bytes + specials)")
@@ -56,15 +55,13 @@ def train_tokenizer(texts, vocab_size: int = 512, extra_tokens=()):
     tok.train_from_iterator(texts, trainer=trainer)
     add_bos(tok, "<bos>")
     if extra_tokens:
-        from tokenizers import AddedToken
-
         tok.add_tokens([AddedToken(t, normalized=False) for t in extra_tokens])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
                                    chat_template=CHAT_TEMPLATE)
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # optional: after nosa.train sets HF_HUB_OFFLINE
 
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:

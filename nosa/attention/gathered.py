@@ -9,7 +9,7 @@ in the autograd Function ``_SelectedAttention`` (forward and a written-out backw
 attends block by block (nosa.attention.paired), whose matmuls stay wide however little the rows
 share.
 nosa.attention.prefill.attend_selected picks this path or the masked one (nosa.attention.masked).
-Layout as in nosa.attention.math: q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv]; sel [n, Hkv, K].
+Layout as in nosa.layout: q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv]; sel [n, Hkv, K].
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nosa.attention.math import NEG_INF, compute_dtype
+from nosa.attention.math import compute_dtype
 from nosa.attention.paired import attend_pairs
 from nosa.config import NosaConfig
+from nosa.layout import NEG_INF
 from nosa.select import selection_mask
 
 # A group of rows gathers at most about this many (row, KV head, key) entries for the keys its rows
@@ -63,19 +64,10 @@ def attend_grouped(
 
     q [n, Hq, D]; k/v [L, Hkv, D]; cis [L, Hkv]; sel [n, Hkv, K] (-1 = none); positions [n]
     ascending, < L. Returns out [n, Hq, Dv] in q's dtype; differentiable in q, k, v and cis.
-
-    Training: rows go in groups, the rows of one chunk of ``row_chunk`` positions (default:
-    ``default_row_chunk``, 64 rows rounded to whole blocks), which share their sinks, much of
-    their forced window and, with eviction heads on, most of their static blocks. The blocks every
-    row of the group selected are gathered once per KV head and attended by all rows in one
-    matmul; each row's other blocks are gathered per row (batched over the group's rows,
-    ``_row_groups``), with one softmax over both parts. The backward is written out
-    (``_SelectedAttention``): it recomputes each group's probabilities from the saved log-sum-exp
-    and accumulates dK, dV, dcis with one index_add per group, so autograd holds one node, not a
-    graph of per-row gathers. Inference: block by block (nosa.attention.paired.attend_pairs), each
-    block's keys against all the rows that selected it, fused attention per tile of rows. Either
-    way no key is computed that a row did not select, so the work follows the budget, not the
-    context.
+    Training: rows go in groups of one chunk of ``row_chunk`` positions (``default_row_chunk``), the
+    blocks every row of a group selected gathered once, the others per row, with a written-out
+    backward (``_SelectedAttention``). Inference: block by block (nosa.attention.paired.attend_pairs).
+    Either way no key a row did not select is computed: the work follows the budget, not the context.
     """
     if row_chunk is None:
         row_chunk = default_row_chunk(cfg)

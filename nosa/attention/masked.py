@@ -1,20 +1,14 @@
 """Selected-block attention as masked dense attention: the short-context path of
 ``nosa.attention.prefill.attend_selected`` (training at 512-1024 tokens, short prefills).
 
-Same math as the gathered path (``nosa.attention.gathered.attend_grouped``): row i attends to the
-tokens of its selected blocks at or before its position, token j's logit raised by cis_j. Here every row
-scores all keys up to its chunk's last position and a boolean mask (the selection expanded to
-tokens, and causality) removes the others, inside torch's fused SDPA kernel, forward and backward.
-Below a few budgets of keys per row that is faster on CPU than gathering each row's blocks: a fused
-kernel over contiguous keys against gathers, several softmax passes and index_add backward.
+Same math as ``nosa.attention.gathered.attend_grouped``; here every row scores all keys up to its
+chunk's last position and a boolean mask (the selection expanded to tokens, and causality) removes
+the others inside torch's fused SDPA, forward and backward: faster on CPU below a few budgets of
+keys per row. The eviction bias rides in one extra head dimension so that SDPA's own backward
+gives its gradient: q' = [q, 1 / scale], k' = [k, cis], v' = [v, 0] (scale * q'.k' = scale * q.k
++ cis; a float mask would get no gradient).
 
-The eviction bias rides in one extra head dimension so SDPA's own backward gives its gradient:
-q' = [q, 1 / scale], k' = [k, cis], v' = [v, 0], so scale * q'.k' = scale * q.k + cis, and the
-gradient of k'[..., -1] is scale * sum_i dlogit_ij / scale = dcis_j (an SDPA float mask would get
-no gradient). v gets the same extra (zero) dimension because the fused CPU kernel needs equal head
-dims; the output drops it.
-
-Layout as in nosa.attention.math: q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv]; sel [n, Hkv, K].
+Layout as in nosa.layout: q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv]; sel [n, Hkv, K].
 """
 
 from __future__ import annotations
@@ -22,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nosa.attention.math import NEG_INF, compute_dtype
+from nosa.attention.math import compute_dtype
 from nosa.config import NosaConfig
+from nosa.layout import NEG_INF
 from nosa.select import selection_mask
 
 # Masked attention is used while a row's keys up to its position (on average) are at most this

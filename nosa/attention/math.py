@@ -1,14 +1,9 @@
-"""The small attention math that prefill, decode, the serving engine and the kernels' references share.
-
-Layout (one sequence, token-major as in SGLang): q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv];
-the n query rows are the last n tokens of the L-token context (n == L for a plain prefill);
-G = Hq // Hkv query heads share one KV head and one selection, sel [n, Hkv, K] (-1 = none).
+"""The small attention math that prefill, decode and the serving engine share (layout: nosa.layout).
 
 The softmax dtype (``compute_dtype``), causal dense attention (``dense_attention``), attention of
 each query row over its own gathered keys with its log-sum-exp (``attend_gathered``) and the exact
-merge of such results over disjoint key sets (``merge_attention``), plus the token indices of
-selected blocks (``selected_tokens``, ``gather_heads``). It imports nothing of nosa, so any module
-(the kernels' torch references included) can import it without an import loop.
+merge of such results over disjoint key sets (``merge_attention``). It imports only nosa.layout,
+so importing it loads neither the prefill paths nor nosa.ops and the kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-NEG_INF = float("-inf")  # the logit of a key to skip, and the lse of a row with no key
+from nosa.layout import NEG_INF
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -43,12 +38,6 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), attn_mask=causal,
                                              scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).to(q.dtype)
-
-
-def gather_heads(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """x [L, Hkv, ...] (any strides), tokens [Hkv, T] -> [Hkv, T, ...]: row tokens[h] of head h.
-    One index_select per KV head: several times faster on CPU than x[tokens, heads]."""
-    return torch.stack([x[:, h].index_select(0, tokens[h]) for h in range(tokens.shape[0])])
 
 
 def attend_gathered(
@@ -95,17 +84,6 @@ def merge_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple
     dt = torch.promote_types(compute_dtype(outs[0]), lse.dtype)
     out = sum(torch.exp(part - safe).to(dt)[..., None] * o.to(dt) for o, part in zip(outs, lses))
     return out.to(outs[0].dtype), lse
-
-
-def selected_tokens(sel: torch.Tensor, lengths: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens of the selected blocks: sel [n, Hkv, K] (-1 = none), lengths [n] (tokens each row
-    may see) -> (tokens [n, Hkv, K * block_size], valid [n, Hkv, K * block_size]). Invalid entries
-    (missing blocks, tokens at or past the length) are clamped to a real token and must be masked."""
-    lengths = lengths[:, None, None]
-    blocks = torch.where(sel >= 0, sel, lengths)  # missing blocks land past the end
-    tokens = (blocks[..., None] * block_size + torch.arange(block_size, device=sel.device)).flatten(-2)
-    valid = tokens < lengths
-    return torch.minimum(tokens, lengths - 1), valid
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -1,19 +1,14 @@
 """Selected-block attention computed block by block (``attend_pairs``): the inference path of long
 prefills on CPU, whose cost follows the budget, not the context.
 
-A pair is one (query row, KV head, selected block). Rows of a long prefill select many blocks of
-their own (with A = 0 every pick is the row's own query-aware choice), so gathering each row's
-blocks makes one thin matmul per row (G query heads against the row's keys), and attending over
-the union of a chunk's blocks computes every block some row chose for every row. Here the pairs
-are sorted by block and cut into tiles of TILE pairs of one block: a tile reads its block's keys
-once and attends it with TILE rows x G query heads at a time, in torch's fused CPU attention
-kernel (which also returns each query row's log-sum-exp), so the work stays in wide matmuls
-whatever the rows have in common, and no key a row did not select is computed. Each tile gives
-partial results (out, lse); the pairs of a (row, KV head) merge exactly as they come.
+A pair is one (query row, KV head, selected block). The pairs are sorted by block and cut into
+tiles of TILE pairs of one block: a tile reads its block's keys once and attends them with TILE
+rows x G query heads in torch's fused CPU attention (which also returns each row's log-sum-exp),
+so the work stays in wide matmuls and no key a row did not select is computed; the partial
+results (out, lse) of a (row, KV head) merge exactly. Keys come as block pools
+(``nosa.attention.gathered.block_pools``: row h * NB + b holds block b of KV head h).
 
-Keys come as block pools (``nosa.attention.gathered.block_pools``: row h * NB + b holds block b of
-KV head h). Layout as in nosa.attention.math: q [n, Hq, D]; sel [n, Hkv, K] (-1 = none).
-Inference only (no autograd).
+Layout as in nosa.layout: q [n, Hq, D]; sel [n, Hkv, K] (-1 = none). Inference only (no autograd).
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from nosa.attention.math import NEG_INF
+from nosa.layout import NEG_INF
 
 # pairs of one tile (one block): TILE x G query rows per fused attention call. Wider tiles run
 # faster (on CPU, fused attention of 128 query rows against a 64-key block measured about 22

