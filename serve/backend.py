@@ -2,37 +2,14 @@
 
 Layout (SGLang's, token-major): q [T, Hq*D] viewed as [T, Hq, D]; k, v [T, Hkv, D] for the T new
 tokens of the batch; ``req_to_token[row, :seq_len]`` lists the slots of a request's context.
-
-A thin adapter: the selection, the decode step's seams and the prefill are nosa's, imported,
-never re-implemented, so that serving and the HF model pick the same blocks. Per forward pass
-``init_forward_metadata`` builds the one ``ForwardMetadata`` (nosa.serve.metadata) every layer reads.
-A decode layer (``forward_decode``) runs nosa.serve.decode_runner.DecodeRunner, a straight line on
-fixed shapes: select (the request states in nosa.state_pool.StatePool) -> resolve (the KV
-source) -> prefetch the next layer's blocks (offloading with the recall scheduler, when not
-captured) -> attend. Its host half runs in the metadata hooks before the step, so SGLang's graph
-runners can capture the rest: SGLang's CPU graph runner (``--enable-torch-compile`` on the CPU
-engine: ``init_cpu_graph_state``, ``init_forward_metadata_capture_cpu_graph``,
-``get_cpu_graph_seq_len_fill_value``) and the CUDA decode graph runner (``init_cuda_graph_state``,
-``init_forward_metadata_out_graph`` for the host half, ``init_forward_metadata_in_graph`` for the
-device copies recorded into the graph, ``get_cuda_graph_seq_len_fill_value``). Padding rows of a
-graph's batch are request row 0, which SGLang never gives a request: they write its spare state
-and the block cache's spare group, and count nowhere.
-What differs between the two modes is only where K, V and cis live, i.e. which KV view (nosa.kv)
-the layer reads through:
-- offloading off (default): SGLang's device pool [slots, Hkv, D] plus a cis buffer per layer kept
-  here, read in place (``nosa.serve.decode_runner.PoolResolver``); extend runs ``prefill_from_pool``:
-  nosa's prefill over the context gathered from the pool, its cis read from the cis buffer;
-- offloading on ($NOSA_OFFLOAD=1): SGLang's pool is the host pool, and the offloading engine
-  (nosa.serve.offload.engine.OffloadEngine) resolves a decode layer through the device block cache
-  and gives extend an ``OffloadKV`` (nosa.serve.offload.kv): ``NosaDecodeState.prefill`` reads only
-  the union of each chunk's blocks. The engine also prefetches ($NOSA_RECALL_SCHEDULER=1), counts
-  each decode step and feeds admission ($NOSA_ADMISSION=1); the package docstring of
-  nosa.serve.offload maps its parts.
-Per-request state (one ``NosaDecodeState`` per (request row, layer), its keys in the row's pages of
-the StatePool) lives in nosa.serve.registry.RequestRegistry, attached to SGLang's ReqToTokenPool
-so that finishing, aborting or retracting a request frees it, its pages and its device block slots.
-Eviction scores cis = A * softplus(W v + b) come from the checkpoint's eviction heads
-(nosa.serve.checkpoint); a dense checkpoint has A = 0.
+A thin adapter over nosa's code (serving picks the blocks the HF model picks). Per forward pass the
+metadata hooks build the ForwardMetadata and, for a decode step, run the host half
+(DecodeRunner.prepare); ``forward_decode`` then runs one layer on fixed shapes (DecodeRunner.run_layer:
+select -> resolve -> prefetch -> attend), which SGLang's CPU and CUDA decode graph runners capture
+(padding rows: request row 0). The KV source: SGLang's device pool plus a cis buffer kept here
+(PoolResolver; extend: ``prefill_from_pool``), or with $NOSA_OFFLOAD=1 the host pool through
+nosa.serve.offload.engine.OffloadEngine. Decode states: nosa.serve.registry.RequestRegistry; cis
+from the checkpoint's eviction heads (nosa.serve.checkpoint; a dense checkpoint has A = 0).
 """
 
 from __future__ import annotations
@@ -56,6 +33,7 @@ from nosa.serve.checkpoint import (
 )
 from nosa.serve.decode_runner import DecodeRunner, PoolResolver
 from nosa.serve.metadata import ForwardMetadata, captured
+from nosa.serve.offload.engine import OffloadEngine
 from nosa.serve.offload.settings import offload_enabled
 from nosa.serve.parallel import KVHeadShard
 from nosa.serve.registry import RequestRegistry
@@ -107,11 +85,9 @@ class NosaAttnBackend(AttentionBackend):
         source = "checkpoint" if from_checkpoint else "NOSA_CONFIG / defaults (dense checkpoint, A = 0)"
         logger.info("nosa backend: %s from %s", self.config, source)
         self.states = self._attach_states(model_runner)
-        self.step: ForwardMetadata | None = None  # the forward pass running (init_forward_metadata)
+        self.metadata: ForwardMetadata | None = None  # the forward pass running (init_forward_metadata)
         self.offload = None
         if offload_enabled():
-            from nosa.serve.offload.engine import OffloadEngine
-
             self.offload = OffloadEngine.start(model_runner, self.config, self.num_layers, self.num_kv_heads,
                                                self.head_dim)
             self.states.attach_offload(self.offload)
@@ -120,10 +96,10 @@ class NosaAttnBackend(AttentionBackend):
             rows = self.token_to_kv_pool.get_key_buffer(0).shape[0]
             self.cis_pool = [torch.zeros(rows, self.num_kv_heads, device=self.device) for _ in range(self.num_layers)]
             kv = PoolResolver(self.token_to_kv_pool, self.cis_pool, self.req_to_token_pool.req_to_token, self.heads,
-                        self.config.block_size)
+                              self.config.block_size)
             spare_group = None
         self.decode = DecodeRunner(self.config, self.num_layers, self.states, self.states.pool, kv, self.device,
-                                 spare_group)
+                                   spare_group)
 
     def _attach_states(self, model_runner) -> RequestRegistry:
         """One registry per ReqToTokenPool (a prefill and a decode nosa backend share it)."""
@@ -150,18 +126,18 @@ class NosaAttnBackend(AttentionBackend):
         for ``capacity`` tokens (the KV pool's), more if requests sharing a prefix need them."""
         rows, max_context = req_to_token.shape
         pool = StatePool(self.config, self.num_layers, rows, self.num_kv_heads, self.head_dim, max_context,
-                               pages_for(self.config, capacity, rows), self.token_to_kv_pool.dtype, self.device,
-                               key_tails=offload_enabled())  # else the step reads window keys from the pool
+                         pages_for(self.config, capacity, rows), self.token_to_kv_pool.dtype, self.device,
+                         key_tails=offload_enabled())  # else the step reads window keys from the pool
         logger.info("nosa backend: decode states of %d request rows, contexts up to %d tokens: %.1f MiB",
                     rows - 1, max_context, pool.nbytes / 2**20)
         return pool
 
     # ---- AttentionBackend ------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch):
-        """Once per forward pass, before its layers: the step every layer reads; for a decode step
-        both halves of its metadata (a step SGLang runs eagerly, or the CPU graph runner's)."""
+        """Once per forward pass, before its layers: the ForwardMetadata every layer reads; for a decode
+        step both halves of its metadata (a step SGLang runs eagerly, or the CPU graph runner's)."""
         self.init_forward_metadata_out_graph(forward_batch)
-        if self.step.decode:
+        if self.metadata.decode:
             self.init_forward_metadata_in_graph(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
@@ -169,19 +145,19 @@ class NosaAttnBackend(AttentionBackend):
         a decode step the states caught up and given pages (nosa.serve.decode_runner.DecodeRunner.prepare).
         Padding rows (row 0) of a graph's batch count as no request."""
         groups_of = self.offload.groups_of if self.offload is not None else None
-        self.step = ForwardMetadata.of(forward_batch, self.req_to_token_pool.req_to_token, groups_of)
-        self._begin(self.step)
+        self.metadata = ForwardMetadata.of(forward_batch, self.req_to_token_pool.req_to_token, groups_of)
+        self._begin(self.metadata)
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Device half of a decode step's metadata (recorded into a CUDA graph: no host reads): the
         batch's rows and lengths from the graph runner's buffers into the step's inputs."""
         self.decode.fill(forward_batch.req_pool_indices, forward_batch.seq_lens)
 
-    def _begin(self, step: ForwardMetadata) -> None:
+    def _begin(self, metadata: ForwardMetadata) -> None:
         self.states.pool.recycle()
-        warm = self.offload.begin(step) if self.offload is not None else None
-        if step.decode:
-            self.decode.prepare(step, warm)
+        warm = self.offload.begin(metadata) if self.offload is not None else None
+        if metadata.decode:
+            self.decode.prepare(metadata, warm)
 
     # ---- graph runners: SGLang's CPU graph runner (torch.compile) and CUDA graphs ------------------
     def init_cpu_graph_state(self, max_bs: int, max_num_tokens: int):
@@ -192,9 +168,9 @@ class NosaAttnBackend(AttentionBackend):
                                                 encoder_lens, forward_mode, spec_info):
         """The metadata of the batch the CPU graph runner compiles with (padding rows only)."""
         groups_of = self.offload.groups_of if self.offload is not None else None
-        self.step = ForwardMetadata.decode_of(req_pool_indices.tolist(), seq_lens.tolist(),
-                                          self.req_to_token_pool.req_to_token, groups_of, req_pool_indices)
-        self._begin(self.step)
+        self.metadata = ForwardMetadata.decode_of(req_pool_indices.tolist(), seq_lens.tolist(),
+                                                  self.req_to_token_pool.req_to_token, groups_of, req_pool_indices)
+        self._begin(self.metadata)
         self.decode.fill(req_pool_indices, seq_lens)
 
     def get_cpu_graph_seq_len_fill_value(self):
@@ -212,12 +188,12 @@ class NosaAttnBackend(AttentionBackend):
         """One layer of an extend (prefill, chunked prefill, prefix-cache hit): each request's new
         rows attend over its whole context."""
         self._check_layer(layer)
-        step, layer_id = self.step, layer.layer_id
+        metadata, layer_id = self.metadata, layer.layer_id
         io = self._layer_io(q, layer)
         self._store_new_tokens(k, v, layer, forward_batch, save_kv_cache)
-        view = self.offload.view(layer_id, step) if self.offload is not None else None
+        view = self.offload.view(layer_id, metadata) if self.offload is not None else None
         start = 0
-        for i, (row, slots, n) in enumerate(zip(step.rows, step.slots, step.extend)):
+        for i, (row, slots, n) in enumerate(zip(metadata.rows, metadata.slots, metadata.extend)):
             if n == 0:
                 continue
             rows = slice(start, start + n)
@@ -239,7 +215,7 @@ class NosaAttnBackend(AttentionBackend):
         cis = self._store_new_tokens(k, v, layer, forward_batch, save_kv_cache)  # [R, Hkv]
         prefetch = None
         if self.offload is not None and not captured():
-            prefetch = functools.partial(self.offload.prefetch, layer_id + 1, self.step, self.states)
+            prefetch = functools.partial(self.offload.prefetch, layer_id + 1, self.metadata, self.states)
         io.o[:] = self.decode.run_layer(layer_id, io.q, k.view(-1, self.num_kv_heads, self.head_dim),
                                         v.view(-1, self.num_kv_heads, v.shape[-1]), cis, layer.scaling, prefetch)
         if self.offload is not None and layer_id == self.num_layers - 1 and not captured():

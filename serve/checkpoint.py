@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from nosa import checkpoint_format
+from nosa import checkpoint_format, env
 from nosa.config import CONFIG_KEY, NosaConfig
 from nosa.eviction import MODULE_NAME, EvictionHead, read_eviction_tensors
 from nosa.hf import nosa_config_of
@@ -34,7 +34,7 @@ def resolve_model_dir(model_path: str, revision: str | None = None) -> str:
     """A local directory holding the checkpoint (downloads config + safetensors for a hub id)."""
     if os.path.isdir(model_path):
         return model_path
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # optional: huggingface_hub, for a hub id only
 
     return snapshot_download(model_path, revision=revision, allow_patterns=["*.json", "*.safetensors"])
 
@@ -54,7 +54,7 @@ def load_nosa_config(model_dir: str) -> tuple[NosaConfig, bool]:
 
 def config_from_env() -> NosaConfig:
     """NosaConfig for a dense checkpoint: $NOSA_CONFIG (JSON text or a JSON file) or defaults."""
-    text = os.environ.get(ENV_CONFIG, "").strip()
+    text = env.text(ENV_CONFIG)
     if not text:
         return NosaConfig()
     if not text.startswith("{"):
@@ -107,7 +107,7 @@ def load_eviction_heads(model_dir: str, num_layers: int, kv_heads: KVHeadShard, 
 def _attention_tp_all_reduce():
     """SGLang's sum over the attention tensor-parallel group (gloo on CPU, NCCL or its custom
     all-reduce on GPU)."""
-    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.runtime_context import get_parallel  # optional: sglang (an SGLang process's TP group)
 
     return get_parallel().attn_tp_group.all_reduce
 

@@ -1,53 +1,77 @@
 """DecodeRunner: the nosa backend's decode step on fixed shapes, so that a graph runner can capture it.
 
-Two halves, the split SGLang's graph runners make (nosa.serve.backend wires them to its hooks):
-
-- host side, ``prepare(step)``, before a step (eagerly, never captured): the step's requests
-  (nosa.serve.metadata.ForwardMetadata, padding rows included) are written into fixed buffers
-  (nosa.serve.metadata.StepInputs); each request's decode state is brought to its context minus the
-  new token if it is behind (the first step after a prefill: a catch-up through the KV view, with
-  dynamic shapes) and given the pages its step will write (nosa.state_pool.StatePool); the
-  spans the step reads are fixed;
-- device side, ``run_layer`` once per layer: select (StatePool.advance and .select) ->
-  resolve (the KV source: SGLang's pool read in place, ``PoolResolver``, or the offloading engine's
-  device block cache) -> prefetch (the recall scheduler's, only in a step that is not captured)
-  -> attend. Tensors of the buffers, the pools and the layer's inputs only: shapes depend on the
-  batch size and the configuration (and the server's longest context), never on the data, and
-  nothing reads a value back to the host.
-
-The spans are the longest context's when the server captures graphs (``init_graph_state``); a
-server that does not reads only as far as its batch needs (the same results: tested).
-
-Imports nothing of SGLang: the GPU check (scripts/gpu_check.sh) and the tests build it over
-plain tensors (nosa.serve.tools.decode_harness).
+Host side, ``prepare(metadata)`` before a step (never captured): the step's requests written into
+fixed buffers (nosa.serve.metadata.StepInputs), each decode state caught up and given pages.
+Device side, ``run_layer`` per layer: select -> resolve (the KV source, a ``LayerResolver``:
+``PoolResolver`` reads SGLang's pool in place, the offloading engine resolves through its device
+block cache) -> prefetch (not when captured) -> attend. Shapes depend on the batch size and the
+configuration (and, when graphs are captured, the server's longest context), never on the data,
+and nothing reads a value back to the host. Imports nothing of SGLang (tests build it over plain
+tensors).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from nosa.decode import WantedBlocks, attend_resolved, read_blocks, read_width
-from nosa.kv import PagedKV, paged_rows
+from nosa.kv import DeviceRows, KVView, PagedKV, paged_rows
 from nosa.serve.metadata import ForwardMetadata, InputBuffers, ReadSpans, StepInputs, captured
 from nosa.serve.offload.resolve import NewTokens
 from nosa.state_pool import StatePool
 
 
+class LayerResolver(Protocol):
+    """What DecodeRunner needs of its KV source (PoolResolver, nosa.serve.offload.engine.OffloadEngine).
+
+    - ``in_place``: True when the KV is SGLang's device pool, read where it lies; the resolver is
+      then also an ``InPlaceResolver`` (window keys, scores of others' tokens, dense attention);
+    - ``view(layer, metadata)`` -> KVView: host side, the requests' tokens (a state catching up);
+    - ``resolve_layer(layer, wanted, inputs, new_tokens)`` -> DeviceRows: device side, fixed shapes,
+      the wanted blocks (nosa.decode.WantedBlocks [R, Hkv, W]) of the step's requests (StepInputs),
+      with their new tokens (NewTokens: k, v [R, Hkv, D], cis [R, Hkv]) written where needed."""
+
+    in_place: bool
+
+    def view(self, layer: int, metadata: ForwardMetadata) -> KVView: ...
+
+    def resolve_layer(self, layer: int, wanted: WantedBlocks, inputs: StepInputs,
+                      new_tokens: NewTokens) -> DeviceRows: ...
+
+
+class InPlaceResolver(LayerResolver, Protocol):
+    """A LayerResolver over SGLang's device pool (``in_place`` True), which also offers
+    ``fill_cis(layer, slots [n])`` (eviction scores of tokens another prefill backend wrote),
+    ``window_keys(layer, inputs, kernel)`` -> [R, kernel, Hkv, D] (when the state pool keeps no key
+    tails) and ``attend_dense(layer, q [R, Hq, D], contexts, scale)`` -> [R, Hq, Dv] (a step that
+    is not captured, every request within dense_len)."""
+
+    def fill_cis(self, layer: int, slots: torch.Tensor) -> None: ...
+
+    def window_keys(self, layer: int, inputs: StepInputs, kernel: int) -> torch.Tensor: ...
+
+    def attend_dense(self, layer: int, q: torch.Tensor, contexts, scale: float) -> torch.Tensor: ...
+
+
 class PoolResolver:
-    """SGLang's token-slot KV pool as the decode step reads it (offloading off): ``pool`` has
-    get_key_buffer / get_value_buffer(layer) [slots, Hkv, D]; ``cis`` [layers] of [slots, Hkv]
-    float32, the eviction scores the backend keeps beside it; ``req_to_token`` [rows, max_ctx];
-    ``heads`` the layers' eviction heads (for tokens another prefill backend wrote)."""
+    """The InPlaceResolver of SGLang's token-slot KV pool, as the decode step reads it (offloading
+    off): ``pool`` has get_key_buffer / get_value_buffer(layer) [slots, Hkv, D]; ``cis`` [layers] of
+    [slots, Hkv] float32, the eviction scores the backend keeps beside it; ``req_to_token`` [rows,
+    max_ctx]; ``heads`` the layers' eviction heads (for tokens another prefill backend wrote)."""
+
+    in_place = True
 
     def __init__(self, pool, cis: list[torch.Tensor], req_to_token: torch.Tensor, heads, block_size: int):
         self.pool, self.cis, self.req_to_token, self.heads = pool, cis, req_to_token, heads
         self.block_size = block_size
 
-    def view(self, layer: int, step: ForwardMetadata) -> PagedKV:
-        """Host side: the KV view of the step's requests (lengths as ``step`` says)."""
+    def view(self, layer: int, metadata: ForwardMetadata) -> PagedKV:
+        """Host side: the KV view of the step's requests (lengths as ``metadata`` says)."""
         return PagedKV(self.pool.get_key_buffer(layer), self.pool.get_value_buffer(layer), self.cis[layer],
-                       self.req_to_token, step.table_rows, step.lengths)
+                       self.req_to_token, metadata.table_rows, metadata.lengths)
 
     def fill_cis(self, layer: int, slots: torch.Tensor) -> None:
         """Eviction scores of tokens at pool ``slots`` that nosa did not write (a prefill by
@@ -78,7 +102,7 @@ class PoolResolver:
             out[i] = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=scale, enable_gqa=True)[:, 0]
         return out
 
-    def resolve_layer(self, layer: int, wanted: WantedBlocks, inputs: StepInputs, new_tokens):
+    def resolve_layer(self, layer: int, wanted: WantedBlocks, inputs: StepInputs, new_tokens: NewTokens) -> DeviceRows:
         """Device side: the wanted blocks' rows, read in place (the new tokens are in the pool)."""
         return paged_rows(self.pool.get_key_buffer(layer), self.pool.get_value_buffer(layer), self.cis[layer],
                           self.req_to_token, inputs.rows, wanted.blocks, inputs.lengths, self.block_size)
@@ -86,14 +110,19 @@ class PoolResolver:
 
 class DecodeRunner:
     """The decode step of one backend. ``states``: the request registry (nosa.serve.registry
-    .RequestRegistry, NosaDecodeState per (row, layer), here rows of ``pool``); ``kv``: PoolResolver or the
-    offloading engine (nosa.serve.offload.engine.OffloadEngine: ``view``, ``resolve``,
-    ``prefetch``)."""
+    .RequestRegistry, NosaDecodeState per (row, layer), here rows of ``pool``); ``kv``: the
+    LayerResolver (PoolResolver, or the offloading engine, whose ``prefetch`` the caller passes to
+    ``run_layer``); ``spare_group``: offloading, the block cache's group of padding rows. Raises
+    ValueError for a state pool without key tails over a resolver that is not in place."""
 
-    def __init__(self, cfg, num_layers: int, states, pool: StatePool, kv, device,
+    def __init__(self, cfg, num_layers: int, states, pool: StatePool, kv: LayerResolver, device,
                  spare_group: int | None = None):
         self.cfg, self.num_layers, self.states, self.pool, self.kv = cfg, num_layers, states, pool, kv
-        self.spare_group = spare_group  # offloading: the block cache's group of padding rows
+        self.in_place: InPlaceResolver | None = kv if kv.in_place else None  # the optional parts, if any
+        if not pool.key_tails and self.in_place is None:
+            raise ValueError(f"DecodeRunner: a state pool without key tails reads the window keys from the KV "
+                             f"pool, which {type(kv).__name__} does not read in place")
+        self.spare_group = spare_group
         self.buffers = InputBuffers(8, device)
         self.graphs = False  # init_graph_state: spans fixed, buffers never reallocated
         self.inputs: StepInputs | None = None
@@ -110,35 +139,35 @@ class DecodeRunner:
         return ReadSpans(self.pool.max_windows, self.pool.max_blocks, read_width(self.cfg), True)
 
     # ---- host side -----------------------------------------------------------------------------
-    def prepare(self, step: ForwardMetadata, warm: list[bool] | None = None) -> StepInputs:
+    def prepare(self, metadata: ForwardMetadata, warm: list[bool] | None = None) -> StepInputs:
         """Host side of a decode step (never captured): its requests' states caught up and given
         pages; what only the host knows written into the inputs (how many rows are requests, warm
-        groups, the spans). ``step``: rows (0 = padding, after the requests) and lengths (with the
+        groups, the spans). ``metadata``: rows (0 = padding, after the requests) and lengths (with the
         new token); ``warm``: per row, its device group was warm (offloading; counters). The rows
         and lengths themselves are copied by ``fill``."""
         cfg = self.cfg
-        real = [i for i, row in enumerate(step.rows) if row]
+        real = [i for i, row in enumerate(metadata.rows) if row]
         views = {}
         for layer in range(self.num_layers):
             for i in real:
-                self._catch_up(step, i, layer, views)
-        inputs = self.buffers.view(len(step.rows), grow=not self.graphs)
+                self._catch_up(metadata, i, layer, views)
+        inputs = self.buffers.view(len(metadata.rows), grow=not self.graphs)
         device = inputs.rows.device
         inputs.num_real.fill_(len(real))
-        inputs.warm.copy_(torch.tensor(warm if warm is not None else [False] * len(step.rows), device=device))
+        inputs.warm.copy_(torch.tensor(warm if warm is not None else [False] * len(metadata.rows), device=device))
         if self.graphs:
             inputs.spans = self.static_spans()
         else:
-            lengths = [step.lengths[i] for i in real] or [1]
+            lengths = [metadata.lengths[i] for i in real] or [1]
             dense = [n for n in lengths if n <= cfg.dense_len]
             width = max(cfg.topk_blocks, cfg.num_blocks(max(dense))) if dense else cfg.topk_blocks
             only_dense = None
-            if real and len(dense) == len(lengths) and hasattr(self.kv, "attend_dense"):
-                only_dense = tuple((step.rows[i], step.lengths[i]) for i in real)
+            if real and len(dense) == len(lengths) and self.in_place is not None:
+                only_dense = tuple((metadata.rows[i], metadata.lengths[i]) for i in real)
             completes = any((n >= cfg.compress_kernel and (n - cfg.compress_kernel) % cfg.compress_stride == 0)
                             or n % cfg.block_size == 0 for n in lengths)
             inputs.spans = ReadSpans(cfg.num_compressed(max(lengths)), cfg.num_blocks(max(lengths)), width, False,
-                                       completes, only_dense)
+                                     completes, only_dense)
         self.inputs = inputs
         return inputs
 
@@ -154,10 +183,10 @@ class DecodeRunner:
         if self.spare_group is not None:
             inputs.groups.copy_(torch.where(inputs.real, inputs.rows - 1, self.spare_group))
 
-    def _catch_up(self, step: ForwardMetadata, i: int, layer: int, views: dict) -> None:
+    def _catch_up(self, metadata: ForwardMetadata, i: int, layer: int, views: dict) -> None:
         """Request i's state of ``layer``: holding its context but the new token, its tails filled,
         pages for the new token; then recorded as advanced by the step (which will do it)."""
-        row, length = step.rows[i], step.lengths[i]
+        row, length = metadata.rows[i], metadata.lengths[i]
         state = self.states.get(row, layer)
         if state is None or state.length > length - 1:  # a new request, or the row was reused
             state = self.pool.open(row, layer)
@@ -166,11 +195,11 @@ class DecodeRunner:
         if state.length < length - 1 or state.store.tails_at != length - 1:
             view = views.get(layer)
             if view is None:
-                view = views[layer] = self.kv.view(layer, step.without_new_tokens())
+                view = views[layer] = self.kv.view(layer, metadata.without_new_tokens())
             if state.length < length - 1:
-                if self.spare_group is None:
+                if self.in_place is not None:
                     # tokens another prefill backend wrote have no cis yet: compute it from V
-                    self.kv.fill_cis(layer, step.slots[i][state.length : length - 1])
+                    self.in_place.fill_cis(layer, metadata.slots[i][state.length : length - 1])
                 state.append(view, seq=i)
             self.pool.refill_tails(layer, row, view, i, length - 1)
         self.pool.reserve(row, length)
@@ -188,12 +217,12 @@ class DecodeRunner:
         inputs, spans = self.inputs, self.inputs.spans
         # 1. select: the state takes the new token, then one batched selection; the blocks to read
         if spans.completes:
-            window = None if self.pool.key_tails else self.kv.window_keys(layer, inputs, self.cfg.compress_kernel)
+            window = None if self.pool.key_tails else self.in_place.window_keys(layer, inputs, self.cfg.compress_kernel)
             self.pool.advance(layer, inputs.rows, inputs.lengths, k, cis, window)
         else:  # no window and no block completes: the state only records the token
             self.pool.record(layer, inputs.rows, inputs.lengths, k, cis)
         if spans.dense is not None:  # every request within dense_len, the step not captured
-            return self.kv.attend_dense(layer, q, spans.dense, scale)
+            return self.in_place.attend_dense(layer, q, spans.dense, scale)
         sel = self.pool.select(layer, inputs.rows, inputs.lengths, q, scale, spans.windows, spans.blocks)
         wanted = read_blocks(sel, inputs.lengths, self.cfg, spans.width)
         # 2. resolve: where those blocks are (offloading: hits stay, misses recalled from the host)

@@ -154,5 +154,5 @@ class InputBuffers:
         inputs = self._views.get(size)
         if inputs is None:
             inputs = self._views[size] = StepInputs(self.rows[:size], self.lengths[:size], self.num_real,
-                                                       self.real[:size], self.groups[:size], self.warm[:size])
+                                                    self.real[:size], self.groups[:size], self.warm[:size])
         return inputs

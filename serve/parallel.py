@@ -1,22 +1,14 @@
 """The parallel layout of a serving process: which KV heads a tensor-parallel rank holds, the
 layouts nosa refuses, the per-rank stats file, and SGLang's tensor-parallel start-up on CPU.
 
-Tensor parallelism (``--tp-size N``) splits the KV heads across the ranks as SGLang's
-``QKVParallelLinear`` does (``KVHeadShard``): with at least as many heads as ranks, rank r holds a
-contiguous run of ``heads / N``; with fewer, each head is replicated on ``N / heads`` consecutive
-ranks. SGLang's CPU path pads the heads to a multiple of N instead (zero padding heads, see
-``sglang.srt.configs.update_config.adjust_config_with_unaligned_cpu_tp``); the padding heads are
-never real KV heads of the model. Each rank keeps its own decode states, host pool and device
-slots, for its own heads; the eviction heads, which read every value head of a token, sum partial
-projections across the ranks (nosa.serve.sharded_eviction).
-
-Data parallelism (``--dp-size N``) runs N independent replicas: nothing is shared between them.
-
-``install`` (called by the plugin in every process) corrects one SGLang start-up path: on a
-machine without an accelerator, ``init_model_parallel_group`` still asks for a PyNccl
-communicator, which needs a CUDA device, so ``--tp-size 2`` dies on CPU whatever the attention
-backend. The hook passes ``use_pynccl=False`` there, so SGLang's all-reduce falls back to
-``torch.distributed`` over gloo; with an accelerator it is not even registered.
+``KVHeadShard``: ``--tp-size N`` splits the KV heads as SGLang's QKVParallelLinear does (a
+contiguous run of heads / N per rank, or each head replicated on N / heads ranks; SGLang's CPU path
+pads them to a multiple of N with zero heads that are no real KV heads). Each rank keeps its own
+decode states, host pool and device slots; eviction heads sum partial projections across ranks
+(nosa.serve.sharded_eviction). ``--dp-size N`` replicas share nothing. ``install`` (the plugin, in
+every process, CPU only) passes ``use_pynccl=False`` to SGLang's ``init_model_parallel_group``,
+which asks for a PyNccl communicator (a CUDA device) even without an accelerator, so SGLang's
+all-reduce falls back to torch.distributed over gloo.
 """
 
 from __future__ import annotations
@@ -24,7 +16,12 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 from dataclasses import dataclass
+
+import torch
+
+from nosa.serve.offload.settings import ENV_ADMISSION, OffloadSettings, offload_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +87,7 @@ class KVHeadShard:
     @classmethod
     def of_process(cls, text_config, server_args) -> "KVHeadShard":
         """This SGLang scheduler process's shard, after ``check_layout`` accepted its layout."""
-        from sglang.srt.runtime_context import get_parallel
+        from sglang.srt.runtime_context import get_parallel  # optional: sglang (an SGLang scheduler's ranks)
 
         check_layout(server_args)
         total = text_config.num_key_value_heads
@@ -106,8 +103,6 @@ class KVHeadShard:
 
 def check_layout(server_args) -> None:
     """Refuse, naming the flag, the parallel layouts nosa does not serve (ValueError)."""
-    from nosa.serve.offload.settings import ENV_ADMISSION, OffloadSettings, offload_enabled
-
     refused = {  # server_args field: (flag, what it is)
         "pp_size": ("--pp-size", "pipeline parallelism: the backend keeps every layer's state in one process"),
         "attn_cp_size": ("--attn-cp-size", "attention context parallelism"),
@@ -143,11 +138,9 @@ def rank_path(path: str | None) -> str | None:
 
 def _process_ranks() -> tuple[int, int, int | None]:
     """(tp_rank, tp_size, dp_rank or None) of this SGLang process; (0, 1, None) outside one."""
-    import sys
-
     if "sglang.srt.runtime_context" not in sys.modules:  # not an SGLang process: nothing to read
         return 0, 1, None
-    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.runtime_context import get_parallel  # optional: sglang
 
     parallel = get_parallel()
     try:
@@ -158,11 +151,9 @@ def _process_ranks() -> tuple[int, int, int | None]:
 
 def install() -> None:
     """On a machine without an accelerator: SGLang's process groups without PyNccl (once)."""
-    import torch
-
     if _INSTALLED or torch.accelerator.is_available():
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # optional: sglang
 
     HookRegistry.register(_GROUP_FACTORY, group_without_pynccl, HookType.AROUND)
     _INSTALLED.append(True)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from nosa.after_import import when_imported
 from nosa.checkpoint_format import MODEL_TYPES
 from nosa.serve import cuda_graphs, parallel, validate
+from nosa.serve.offload import admission
+from nosa.serve.offload.settings import OffloadSettings, offload_enabled
 
 BACKEND_NAME = "nosa"
 _MODEL_REGISTRY = "sglang.srt.models.registry"
@@ -22,8 +24,11 @@ _MODEL_REGISTRY = "sglang.srt.models.registry"
 def register() -> None:
     """Make ``--attention-backend nosa`` (and the prefill/decode variants) available and validate
     requests at the door (nosa.serve.validate). Idempotent."""
-    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
-    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.arg_groups.choices import (  # optional: sglang (SGLang calls this; nosa never imports it)
+        ATTENTION_BACKEND_CHOICES,
+        add_attention_backend_choices,
+    )
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend  # optional: sglang
 
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
@@ -41,17 +46,17 @@ def _register_checkpoint_format() -> None:
     learns the architectures once it is imported (importing it loads every SGLang model, which only
     the scheduler needs), served by SGLang's own Llama / Qwen2 / Qwen3 classes: the eviction heads
     are the backend's (nosa.serve.checkpoint)."""
-    from nosa.hf_configs import register as register_configs
+    from nosa.hf_configs import register as register_configs  # optional: transformers (nosa.hf_configs')
 
     register_configs()
     when_imported(_MODEL_REGISTRY, _add_architectures, quiet=_MODEL_REGISTRY)
 
 
 def _add_architectures() -> None:
-    from sglang.srt.models.llama import LlamaForCausalLM
-    from sglang.srt.models.qwen2 import Qwen2ForCausalLM
-    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
-    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.models.llama import LlamaForCausalLM  # optional: sglang (once its model registry loads)
+    from sglang.srt.models.qwen2 import Qwen2ForCausalLM  # optional: sglang
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM  # optional: sglang
+    from sglang.srt.models.registry import ModelRegistry  # optional: sglang
 
     served_by = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
     for base, model_class in served_by.items():
@@ -63,21 +68,17 @@ _OFFLOAD_HOOKS = []
 
 def _install_offload_hooks() -> None:
     """With $NOSA_OFFLOAD=1: the host KV pool hooks (nosa.serve.offload.host_pool), once per process."""
-    from nosa.serve.offload.settings import OffloadSettings, offload_enabled
-
     if offload_enabled() and not _OFFLOAD_HOOKS:
-        from nosa.serve.offload.host_pool import register_hooks
+        from nosa.serve.offload import host_pool  # optional: sglang (HostKVPool subclasses its KV pool)
 
         settings = OffloadSettings.from_env()
-        register_hooks(settings)
+        host_pool.register_hooks(settings)
         if settings.admission:  # new requests wait while admission says so (nosa.serve.offload.admission)
-            from nosa.serve.offload.admission import register_hooks as register_admission_hooks
-
-            register_admission_hooks()
+            admission.register_hooks()
         _OFFLOAD_HOOKS.append(True)
 
 
 def create_nosa_backend(model_runner):
-    from nosa.serve.backend import NosaAttnBackend
+    from nosa.serve.backend import NosaAttnBackend  # optional: sglang (imported when SGLang builds the backend)
 
     return NosaAttnBackend(model_runner)

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 
+from nosa import env
 from nosa.decode import NosaDecodeState
 from nosa.serve.parallel import rank_path
 
@@ -36,7 +37,7 @@ class RequestRegistry:
         self._rows: dict[int, tuple[int, list[NosaDecodeState | None]]] = {}
         self._freed: dict[int, int] = {}  # row -> generation it was freed at
         self._lock = threading.Lock()  # free() may come from the scheduler while a forward runs
-        self._stats_file = rank_path(os.environ.get(ENV_STATS_FILE))  # one file per TP rank / DP replica
+        self._stats_file = rank_path(env.text(ENV_STATS_FILE))  # one file per TP rank / DP replica
         self.freed_total = 0
         self.offload = None  # the offloading engine, if any: release(row), counters()
         self._stats_written = 0.0  # time.monotonic() of write_stats' last write

@@ -1,21 +1,12 @@
 """ShardedEvictionHead: one layer's eviction head on one tensor-parallel rank.
 
-The eviction head ``cis = A * softplus(W v + b)`` reads every value head of a token: W is
-[H, H*D] over the model's H KV heads. A tensor-parallel rank holds V only for its own heads
-(nosa.serve.parallel.KVHeadShard), so each rank computes the partial pre-activation over them,
-``p_r = sum over its heads h of W[:, h*D:(h+1)*D] v_h`` [T, H], one all-reduce sums the
-partials (H floats per token), and each rank finishes ``A * softplus(p + b)`` for its own heads.
-A head replicated on several ranks enters the sum from its first replica only (the others add
-zeros), so it is counted once; SGLang's padding heads (CPU) hold no real head and get cis 0 (their
-V is zero and no real query reads them).
-
-The sums are TP 1's sums in another order, so cis equals TP 1's up to float rounding, as SGLang's
-own row-parallel projections do. Where no rank holds part of the real heads without all of them
-(one rank, or a single real KV head replicated or padded) nothing is exchanged and the rank runs
-the plain EvictionHead, exactly TP 1's arithmetic.
-
-It is a collective: every rank of the group calls it at the same point with the same number of
-tokens. The backend does, since every rank runs the same batch through the same layers.
+``cis = A * softplus(W v + b)`` reads every value head of a token (W is [H, H*D]); a rank holds V
+for its own heads only (nosa.serve.parallel.KVHeadShard), so it computes the partial
+pre-activation ``p_r = sum over its heads h of W[:, h*D:(h+1)*D] v_h`` [T, H], one all-reduce sums
+the partials, and each rank finishes ``A * softplus(p + b)`` for its heads. A replicated head enters
+the sum from its first replica only; SGLang's padding heads (CPU) get cis 0. The result equals TP
+1's up to float rounding (exactly, where nothing is exchanged: one rank, or one real KV head). A
+collective: every rank of the group calls it at the same point with the same number of tokens.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Request validation at SGLang's door: refuse requests the model cannot run, before the scheduler.
 
-SGLang 0.5.23 passes these straight to the scheduler, where the forward pass raises and SGLang then
-kills every process (each found by sending it hostile values; tests/serve/test_validation.py):
-- an empty prompt (``"text": ""`` with a tokenizer that adds no BOS, or a batch row
-  ``input_ids: [[]]``): rotary embedding, "cannot reshape tensor of 0 elements";
-- token ids outside the embedding table: embedding, "index out of range";
-- ``top_logprobs_num`` above the vocabulary size (``logprobs`` of /v1/completions, ``top_logprobs``
-  of /v1/chat/completions): ``logprobs.topk``, "selected index k out of range";
-- ``input_embeds`` rows that are ragged or not ``hidden_size`` wide, and any ``input_embeds`` on a
-  model not served in bfloat16 (the model runner casts them to bfloat16 unconditionally; a float32
-  model's first matmul then raises); an empty ``input_embeds`` (or an empty first row) raises
-  IndexError while SGLang works out the batch size: HTTP 500 instead of a 400.
-``logprob_start_len`` below -1 is served by SGLang but means nothing; it is refused too, and above
-the prompt length it gets our message instead of SGLang's (which names its own variables).
-SGLang itself already refuses ``token_ids_logprob`` ids outside the vocabulary (tested here, so a
-regression in a newer SGLang shows up).
-These checks run in the tokenizer manager, on the same path as SGLang's own ``_validate_*``
-methods, whose ValueError becomes HTTP 400 for /generate (single and batch), /v1/completions and
-/v1/chat/completions, so one bad request costs its client a 400 and nobody else anything.
-
-``install()`` registers the hooks (from nosa.serve.plugin.register, in every SGLang process);
-``check_installed()`` runs when a TokenizerManager is built and fails start-up if they did not take
-effect (HookRegistry only logs a target it cannot resolve).
+SGLang 0.5.23 passes these to the scheduler, where the forward pass raises and SGLang kills every
+process (tests/serve/test_validation.py): an empty prompt; token ids outside the embedding table;
+``top_logprobs_num`` above the vocabulary size; ``input_embeds`` ragged, not ``hidden_size`` wide,
+on a model not served in bfloat16, or empty (an HTTP 500); ``logprob_start_len`` below -1 or past
+the prompt. The checks run in the tokenizer manager beside SGLang's own ``_validate_*``, whose
+ValueError becomes HTTP 400 for /generate, /v1/completions and /v1/chat/completions; messages
+leave without server-side paths. ``install()`` registers the hooks (the plugin, every process);
+``check_installed()`` fails start-up when a TokenizerManager is built and they did not take effect
+(HookRegistry only logs a target it cannot resolve).
 """
 
 from __future__ import annotations
@@ -29,6 +16,8 @@ from __future__ import annotations
 import os
 import pkgutil
 import re
+
+import torch
 
 _TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 VALIDATE_TARGET = f"{_TM}._validate_one_request"  # (self, obj, input_ids): both single and batch paths
@@ -93,8 +82,6 @@ def validate_input_embeds(embeds, hidden_size: int, dtype) -> None:
     """Raise ValueError (-> HTTP 400) unless ``embeds`` is a non-empty [T, hidden_size] list of
     numbers that this model can take: SGLang 0.5.23's model runner casts input_embeds to bfloat16,
     so a model served in another dtype cannot use them at all."""
-    import torch
-
     if dtype != torch.bfloat16:
         raise ValueError(
             f"input_embeds needs a model served in bfloat16 (SGLang casts them to bfloat16); this one "
@@ -172,9 +159,9 @@ def after_init(result, self, *args, **kwargs):
 
 def check_installed() -> None:
     """RuntimeError unless SGLang's validation and FastAPI's error text run our hooks."""
-    from fastapi.exceptions import RequestValidationError
-    from sglang.srt.managers.io_struct import GenerateReqInput
-    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from fastapi.exceptions import RequestValidationError  # optional: fastapi (SGLang's HTTP server)
+    from sglang.srt.managers.io_struct import GenerateReqInput  # optional: sglang
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager  # optional: sglang
 
     for target, owner, attr, hook in (
         (VALIDATE_TARGET, TokenizerManager, "_validate_one_request", around_validate),
@@ -202,7 +189,7 @@ def _wraps(fn, hook) -> bool:
 def install() -> None:
     """Register the hooks with SGLang's HookRegistry (applied by load_plugins after register()).
     Exits if a target does not exist in this SGLang: a plugin exception would only be logged."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # optional: sglang
 
     if any(hook is around_validate for _, hook, _ in HookRegistry._hooks.get(VALIDATE_TARGET, ())):
         return  # register() ran before in this process

@@ -1,36 +1,16 @@
-"""I/O-adaptive admission for the offloading engine ($NOSA_ADMISSION=1 with $NOSA_OFFLOAD=1;
-nosa.serve.offload.settings).
+"""I/O-adaptive admission for the offloading engine ($NOSA_ADMISSION=1 with $NOSA_OFFLOAD=1).
 
-The policy (every decision is counted in ``decisions`` and logged at debug level):
-
-1. **Link bandwidth** ``bw`` (bytes/s): a start-up probe (``probe_bandwidth``: one batched recall
-   of ``PROBE_ITEMS`` host items into the device cache) seeds a running estimate that every recall
-   updates (bytes and seconds of the copies, exponentially weighted, ``alpha``).
-2. **What can be hidden.** ``compute`` is the running estimate of a decode step's time without its
-   stalls (the step's wall time minus the time layers waited for recall). Recall that moves
-   while layers compute is hidden up to ``hideable = headroom * bw * compute`` bytes per step.
-3. **Per request** (device group g): ``misses[g]``, the running estimate of the bytes it recalls per
-   decode step, and ``blocks[g]``, its context in blocks.
-4. **Fully resident or offloaded.** A request whose context fits its slots (``blocks[g] <= topk +
-   extra[g]``) is *resident*: after its first step it recalls nothing. Every other request is
-   *offloaded*.
-5. **Extra slots.** Device slot columns not held by a running request (the budget left: idle
-   groups' columns and the budget's remainder) are lent as extra slots, at most ``max_extra``
-   per request: first to requests that become fully resident with them (fewest needed first),
-   then to offloaded requests by measured misses, highest first. A request that starts in a group
-   whose columns are lent takes them back (the borrower drops those blocks; they are recalled if
-   selected again, so outputs never change).
-6. **New offloaded requests wait** (``allowed_new``) while the running requests' recall plus the
-   estimate for one more (the mean of the running requests' misses, or the locality bound
-   ``(query_blocks + 1) * Hkv * layers`` items before any measurement) exceeds ``hideable``. With
-   nothing running, one request is always admitted. SGLang's scheduler applies this through the
-   ``Scheduler.get_num_allocatable_reqs`` hook (``register_hooks``): returning 0 keeps the waiting
-   queue waiting until a running request leaves (SGLang re-opens admission then), the only point
-   at which the plugin can hold requests back without forking the scheduler. The hook finds the
-   controller through the scheduler it wraps (``controller_of``: its model runner's nosa backend).
-
-The offloading engine (nosa.serve.offload.engine) feeds the measurements at the end of every
-decode step and applies the extra-slot grants to the block cache.
+``Admission`` decides from measurements (each decision counted in ``decisions``, logged at debug):
+the link bandwidth ``bw`` (seeded by ``probe_bandwidth``, updated by every recall, an EMA of weight
+``alpha``); ``compute``, a decode step's time without its stalls, so ``hideable = headroom * bw *
+compute`` bytes of recall per step can move while layers compute; per request (device group g) the
+bytes it recalls per step ``misses[g]`` and its context ``blocks[g]``. ``grants``: free columns lent
+as extra slots (at most ``max_extra``), first to requests they make fully resident, then by misses.
+``allowed_new``: new offloaded requests wait while the running requests' recall plus one more
+(their mean, or the locality bound before any measurement) exceeds ``hideable``; with nothing
+running one is admitted. SGLang applies it through the ``Scheduler.get_num_allocatable_reqs`` hook
+(``register_hooks``; 0 keeps the queue waiting). The engine (nosa.serve.offload.engine) feeds the
+measurements after every decode step and applies the grants to the block cache.
 """
 
 from __future__ import annotations
@@ -39,6 +19,10 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+
+import torch
+
+from nosa import ops
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +152,6 @@ def _ema(old: float, new: float, alpha: float) -> float:
 
 def probe_bandwidth(dst, src, items: int = PROBE_ITEMS) -> tuple[float, int, float]:
     """(bytes/s, bytes, seconds) of one batched recall of ``items`` items src -> dst (copy_items)."""
-    import torch
-
-    from nosa import ops
-
     n = min(items, dst[0].shape[0], src[0].shape[0])
     idx = torch.arange(n)
     ops.copy_items(dst, src, idx, idx)  # warm-up (staging buffers, kernel compile)
@@ -195,7 +175,7 @@ def controller_of(scheduler) -> Admission | None:
 
 def register_hooks() -> None:
     """Hold new requests back through SGLang's scheduler while the controller says wait."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # optional: sglang
 
     def allocatable(original, self, running_bs, *args, **kwargs):
         n = original(self, running_bs, *args, **kwargs)
@@ -209,7 +189,7 @@ def register_hooks() -> None:
 
 def verify_hooks() -> None:
     """Start-up check (the backend calls it): the scheduler hook took effect in this process."""
-    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler import Scheduler  # optional: sglang
 
     if getattr(Scheduler.get_num_allocatable_reqs, "__wrapped__", None) is None:
         raise RuntimeError(f"nosa admission: the hook {_SCHEDULER}.get_num_allocatable_reqs did not take effect "

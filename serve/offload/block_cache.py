@@ -1,55 +1,40 @@
-"""The device block cache: the blocks each decode step attends to, resident in device memory.
+"""DeviceBlockCache: the blocks each decode step attends to, resident in device memory.
 
-Per layer the cache is one set of device buffers, k and v [S, B, D] and cis [S, B] float32, of
-S = G * Hkv * NS items: NS block slots for each of the Hkv KV heads of each of G requests (G =
-the device budget's request count; request row r of SGLang's ReqToTokenPool owns group r - 1).
-``blocks[layer]`` [G, Hkv, NS] says which block each slot holds (-1: none). The KV view that
-decode and prefill read through is nosa.serve.offload.kv.OffloadKV; it calls ``resolve``.
-
-Resolve, per layer and step, for the whole batch at once: the slot diff, one batched recall, the
-write-through of the new tokens, the counters and the device rows attention reads; the device side
-is ``resolve_step`` (nosa.serve.offload.resolve: its torch spec and the CPU kernel call).
-The host side runs before: a group whose resident blocks went stale (tokens written other than by
-a decode step, e.g. a prefill chunk) drops those blocks, so they are recalled (``begin_decode``
-for every layer before a step; ``resolve`` does it per layer and wraps ``resolve_step`` with the
-prefetch claim). A captured batch's padding rows resolve in the spare group (one more than the
-requests), which no request owns.
-
-Scheduling (``scheduler``: nosa.serve.offload.recall): the misses are a demand copy (prefetching
-pauses at its next chunk boundary meanwhile) and the layer waits only for them;
-``prefetch(layer + 1, ...)``, issued while layer ``layer`` computes, copies predicted blocks into
-EMPTY slots only (never evicting a resident block), and the layer's resolve first claims it:
-only the items that landed count as resident, the rest are dropped. The diff then runs as if the
-prefetch had not happened, so the slot map after every resolve is exactly the one without
-prefetch (outputs and every later hit and miss are the same with scheduling on or off); a
-selected block that a prefetch landed is moved on the device into its slot, a hit
-(``prefetch_hits``) instead of a host recall.
-
-Slot columns (admission): slot j of group g is physical column ``col_of[g, j]``; column p is the
-item set ``((p // home) * Hkv + h) * home + p % home`` of every KV head h (``home`` slots per
-group: without admission all NS slots, so column g * NS + j is simply slot j of group g). With
-admission, groups own ``home = topk`` columns and may borrow idle groups' columns as extra slots
-(``set_extra``); a group that starts takes its own columns back (``activate``).
-
-Counters (``stats``, kept on the device by the step): per layer, selected blocks, hits (prefetch
-hits included), misses (= items recalled on demand), recalled bytes, prefetched / prefetch_hits /
-prefetch_dropped items, recall and stall seconds of synchronous copies (without a scheduler; with
-one, see its ``stats``; not measured in a captured step),
-and for "warm" steps (the group's previous step was a decode step, so the cache is in steady
-state) selected blocks, hits and the most misses one (request, KV head) had: the locality bound
-says at most query_blocks + 1 for heads with A != 0.
+Per layer: k, v [S, B, D] and cis [S, B] float32 of S = (G + 1) * Hkv * home items (G requests
+of the device budget, request row r owning group r - 1, plus the spare group of a captured batch's
+padding rows); ``blocks[layer]`` [G + 1, Hkv, NS]: the block each slot holds (-1: none); slot j of
+group g is physical column ``col_of[g, j]`` (admission lends idle groups' columns as extra slots).
+Two ways in, one per contract: ``resolve`` is the KV view's (nosa.serve.offload.kv.OffloadKV, eager:
+stale blocks dropped, prefetch claimed, groups synced for that layer); ``resolve_layer`` is a decode
+step's layer (nosa.serve.offload.engine, on fixed shapes, after ``begin_decode`` and
+``claim_prefetch``): the slot diff, one batched recall, the new tokens' write-through, the counters
+(the math: nosa.serve.offload.resolve). ``prefetch`` fills empty slots only, so the slot map after
+every resolve is the one without prefetch. ``stats`` reads the counters on the host.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import NamedTuple
 
 import torch
 
+from nosa import ops
+from nosa.kernels import resolve_cpu
 from nosa.kv import DeviceRows
+from nosa.serve.metadata import captured
 from nosa.serve.offload.recall import PREFETCH, Transfer
-from nosa.serve.offload.resolve import COUNT_KEYS, NewTokens, ResolveStep, place
+from nosa.serve.offload.resolve import (
+    COUNT_KEYS,
+    NewTokens,
+    PageTable,
+    attended_rows,
+    diff_slots,
+    place,
+    step_counts,
+    tail_rows,
+)
 
 
 class Loan(NamedTuple):
@@ -69,7 +54,12 @@ class PendingPrefetch(NamedTuple):
     slots: torch.Tensor
 
 
-class DeviceBlockCache(ResolveStep):
+class DeviceBlockCache:
+    """The device block slots of ``num_groups`` requests (and the spare group) x ``num_kv_heads``
+    x ``slots_per_head``, per layer, of blocks of ``block_size`` tokens. ``home_slots``: the slots a
+    group owns (default all; admission: topk_blocks, the rest borrowed); ``scheduler``: the recall
+    scheduler (nosa.serve.offload.recall) its copies go through, or None (copied inline)."""
+
     def __init__(self, num_layers: int, num_groups: int, num_kv_heads: int, slots_per_head: int,
                  block_size: int, head_dim: int, v_head_dim: int, dtype: torch.dtype, device,
                  scheduler=None, home_slots: int | None = None):
@@ -301,16 +291,18 @@ class DeviceBlockCache(ResolveStep):
                     self.synced[layer][g], self.warm[layer][g] = n, True
         return warm
 
+    # ---- resolve: the KV view's (host side, eager) and a decode step's layer (fixed shapes) --------
     def resolve(self, layer: int, groups: torch.Tensor, wanted: torch.Tensor, lengths: list[int],
                 pages: torch.Tensor, host_items, new_tokens: NewTokens | None = None) -> DeviceRows:
-        """Make ``wanted`` [R, Hkv, W] (block ids, -1 padded; W <= NS) resident and return their rows.
+        """Make ``wanted`` [R, Hkv, W] (block ids, -1 padded; W <= NS) resident and return their rows:
+        the KV view's resolve (nosa.serve.offload.kv.OffloadKV), run eagerly, outside a decode step.
 
         groups [R]: the requests' device groups (``groups_of``); lengths: their context lengths
         (tokens); pages [R, Hkv, W]: the host page of each wanted block; host_items: the layer's
         (k, v, cis) item views of the host pool. new_tokens: the step's last token of each request
-        (decode), written into its block's slot. The host side around ``resolve_step``: stale blocks
-        dropped, the layer's prefetch claimed, the groups recorded as synced.
-        """
+        (decode), written into its block's slot. Around ``resolve_layer``, the host work a decode
+        step does before it (``begin_decode``, ``claim_prefetch``), for this layer only: stale blocks
+        dropped, the layer's prefetch claimed, the groups recorded as synced."""
         with self._lock:
             self._settle(layer)
             warm = []
@@ -322,8 +314,8 @@ class DeviceBlockCache(ResolveStep):
                 self._drop_stale(layer, g, fresh)
             prefetched = self.claim_prefetch(layer, groups) if self.scheduler is not None else None
             device = wanted.device
-            found = self.resolve_step(layer, groups, wanted, torch.tensor(lengths, device=device), pages, host_items,
-                                      new_tokens, torch.tensor(warm, device=device), prefetched=prefetched)
+            found = self.resolve_layer(layer, groups, wanted, torch.tensor(lengths, device=device), pages, host_items,
+                                       new_tokens, torch.tensor(warm, device=device), prefetched=prefetched)
             for g, n in zip(groups.tolist(), lengths):
                 self.synced[layer][g] = n
                 self.warm[layer][g] = new_tokens is not None
@@ -340,6 +332,121 @@ class DeviceBlockCache(ResolveStep):
             self.prefetched[layer].index_fill_(0, groups, False)
             self.landed[layer] = bool(self.prefetched[layer].any())  # other groups' flags, if any, wait
         return prefetched if bool(prefetched.any()) else None
+
+    def resolve_layer(self, layer: int, groups: torch.Tensor, wanted: torch.Tensor, lengths: torch.Tensor,
+                      pages, host_items, new_tokens: NewTokens | None, warm: torch.Tensor,
+                      real: torch.Tensor | None = None, prefetched: torch.Tensor | None = None) -> DeviceRows:
+        """A decode step's layer: ``wanted`` [R, Hkv, W] of ``groups`` [R] resident, their DeviceRows.
+        Shape-static, no host synchronisation (a step that may be captured): the slot diff, one
+        batched recall (index lists of the fixed width R * Hkv * W, -1 where nothing is missing: a
+        cold step may miss every wanted block), the new tokens' write-through, the counters.
+
+        pages: [R, Hkv, W] host pages, or the PageTable to look them up in; lengths [R] long; warm
+        [R] bool (counters); real [R] bool, False for padding rows (spare group; counted nowhere);
+        ``prefetched`` [R, Hkv, NS]: slots a prefetch landed (``claim_prefetch``; host side only).
+        On a CPU server (no prefetch to place) one fused kernel, nosa.kernels.resolve_cpu, runs it;
+        this torch code is its spec."""
+        if prefetched is None and resolve_cpu.wanted_here(wanted, self.k[layer]):
+            return self._resolve_fused(layer, groups, wanted, lengths, pages, host_items, new_tokens, warm, real)
+        if isinstance(pages, PageTable):
+            pages = pages.pages(wanted, self.block)
+        # 1. the slot diff (nosa.serve.offload.resolve.diff_slots), as if no prefetch had happened
+        blocks = self.blocks[layer]
+        usable = (self.col_of.index_select(0, groups) >= 0)[:, None, :]
+        diff = diff_slots(blocks.index_select(0, groups), wanted, usable, prefetched)
+        blocks.index_copy_(0, groups, diff.blocks)
+        item = self._items(groups, diff.slot_of)  # device item of each wanted block
+        dst_bufs = [self.k[layer], self.v[layer], self.cis[layer]]
+        if diff.landed_slot is not None:  # a prefetch hit moves on the device to the slot the diff gave it
+            move = diff.prefetch_hit & (diff.landed_slot != diff.dst_slot)
+            if bool(move.any()):  # read every source first: a destination may be another's
+                src_items = self._items(groups, diff.landed_slot)[move]
+                moved = [t.index_select(0, src_items) for t in dst_bufs]
+                for t, m in zip(dst_bufs, moved):
+                    t.index_copy_(0, item[move], m)
+        # 2. one batched recall for every request and KV head of the batch
+        heads = torch.arange(self.hkv, device=wanted.device)[None, :, None]
+        src = torch.where(diff.demand, pages * self.hkv + heads, -1).flatten()
+        dst = torch.where(diff.demand, item, -1).flatten()
+        if captured():
+            ops.copy_items(dst_bufs, list(host_items), dst, src)
+        elif self.scheduler is not None:  # prefetching pauses while this layer's own misses are copied
+            which = diff.demand.flatten().nonzero().flatten()
+            self.scheduler.demand(layer, dst_bufs, list(host_items), dst.index_select(0, which),
+                                  src.index_select(0, which))
+        else:
+            start = time.perf_counter()
+            ops.copy_items(dst_bufs, list(host_items), dst, src)
+            seconds = time.perf_counter() - start  # CPU: the copy; CUDA: its launch only
+            self.host_stats["recall_seconds"][layer] += seconds
+            self.host_stats["stall_seconds"][layer] += seconds
+        # 3. the new token of each request into its block's slot (write-through; no recall needed)
+        if new_tokens is not None:
+            self._write_tokens(layer, wanted, item, lengths, new_tokens)
+        self._count(layer, groups, wanted, diff.hit | diff.prefetch_hit, diff.demand, diff.prefetch_hit, warm, real)
+        # 4. rows of the resolved blocks: item * B + token offset
+        return self._device_rows(layer, *attended_rows(item, wanted, lengths, self.block))
+
+    def _resolve_fused(self, layer, groups, wanted, lengths, pages, host_items, new_tokens, warm, real) -> DeviceRows:
+        """``resolve_layer`` without a prefetch, as one CPU kernel call (nosa.kernels.resolve_cpu)."""
+        bufs = [self.k[layer], self.v[layer], self.cis[layer]]
+        new = None
+        if new_tokens is not None:
+            new = [t if t.dtype == b.dtype else t.to(b.dtype) for t, b in zip(new_tokens, bufs)]
+        if captured():  # a compiled step (SGLang's CPU graph runner): the kernel as one operator
+            # the operator takes the pages, or the table to look them up in
+            given, table = (None, pages) if isinstance(pages, PageTable) else (pages, PageTable(None, None))
+            item, rows, valid, fill = resolve_cpu.resolve_layer_op(
+                self.blocks[layer], self.col_of, groups, wanted, given, table.req_to_token, table.rows, lengths,
+                warm, real, bufs, list(host_items), new or [], self.dump_row, self.counts[layer],
+                self.max_warm_misses[layer], self.group_misses, self.home)
+            return self._device_rows(layer, rows, valid, item, fill)
+        by_scheduler = self.scheduler is not None
+        start = time.perf_counter()
+        done = resolve_cpu.resolve_layer(self.blocks[layer], self.col_of, groups, wanted, pages, lengths, warm, real,
+                                         bufs, list(host_items), new, self.dump_row, self.counts[layer],
+                                         self.max_warm_misses[layer], self.group_misses, self.home,
+                                         copy=not by_scheduler)
+        with self._lock:
+            # (padding rows resolve in the spare group, which the kernel does not count)
+            self.full[layer] = set(groups.tolist()) - {self.spare_group} if done.empty == 0 else set()
+        if by_scheduler:  # the demand copy through the scheduler (prefetching pauses meanwhile), then the new tokens
+            self.scheduler.demand(layer, bufs, list(host_items), done.miss_dst, done.miss_src)
+            if new is not None:
+                resolve_cpu.write_tokens(wanted, lengths, done.item, bufs, new, self.dump_row)
+        elif done.miss_dst.numel():
+            seconds = time.perf_counter() - start  # the kernel's whole call: the copy and the diff
+            self.host_stats["recall_seconds"][layer] += seconds
+            self.host_stats["stall_seconds"][layer] += seconds
+        return self._device_rows(layer, done.rows, done.valid, done.item, done.fill)
+
+    def _device_rows(self, layer: int, rows, valid, slots, fill) -> DeviceRows:
+        """The layer's buffers as attention reads them (row-major K, V, cis and the items), with the
+        step's rows [R, Hkv, W*B], valid, slots [R, Hkv, W] (-1 = none) and fill."""
+        k, v, cis = self.k[layer], self.v[layer], self.cis[layer]
+        return DeviceRows(k.view(-1, k.shape[-1]), v.view(-1, v.shape[-1]), cis.view(-1), rows, valid,
+                          items=(k, v, cis), slots=slots, fill=fill)
+
+    def _write_tokens(self, layer, wanted, item, lengths, new_tokens) -> None:
+        """The new token of each request [R] into the resident slot of its block (the window always
+        holds it; where it is not resident, e.g. a padding row's, the write goes to the dump row):
+        plain index copies, which a compiled step fuses."""
+        k_new, v_new, cis_new = new_tokens
+        rows = tail_rows(wanted, item, lengths, self.block, self.dump_row)
+        # (item, token) indices into the buffers themselves: after the recall's operator mutated them, a
+        # write through a view made torch.compile copy each whole buffer onto itself every step
+        where = (rows // self.block, rows % self.block)
+        k, v = self.k[layer], self.v[layer]
+        k.index_put_(where, k_new.reshape(rows.numel(), -1).to(k.dtype))
+        v.index_put_(where, v_new.reshape(rows.numel(), -1).to(v.dtype))
+        self.cis[layer].index_put_(where, cis_new.reshape(-1).float())
+
+    def _count(self, layer, groups, wanted, hit, miss, prefetch_hit, warm, real) -> None:
+        """Add the step's counters on the device (read on the host with ``stats``, outside a step)."""
+        deltas, warm_misses, misses = step_counts(wanted, hit, miss, prefetch_hit, warm, real)
+        self.counts[layer] += deltas
+        self.max_warm_misses[layer] = torch.maximum(self.max_warm_misses[layer], warm_misses)
+        self.group_misses.index_add_(0, groups, misses.sum(dim=-1))
 
     @property
     def stats(self) -> dict[str, list]:

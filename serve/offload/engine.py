@@ -1,35 +1,25 @@
 """OffloadEngine: the offloading parts of one nosa backend, and what they do at each step.
 
-Built by the backend at start-up when $NOSA_OFFLOAD=1 (``start``): it checks the settings and
-that the host pool's hooks took effect, then builds the device block cache, the recall scheduler
-($NOSA_RECALL_SCHEDULER=1), the admission controller ($NOSA_ADMISSION=1, seeded by a probe of the
-link) and the step counters. The backend then calls, per forward pass:
-
-- ``begin(step)`` (every forward, host side): starting requests take back their slot columns; a
-  decode step drops stale blocks, starts its counters and says which groups are warm;
-- ``view(layer, step)``: the layer's KV view (OffloadKV) for host-side reads (a prefill, a
-  decode state catching up);
-- ``resolve_layer(layer, wanted, inputs, new_tokens)``: a decode layer's blocks through the device
-  block cache, on fixed shapes (DeviceBlockCache.resolve_step, nosa.serve.offload.resolve; a
-  captured step runs it as is);
-- ``prefetch(layer, step, states)``: while layer - 1 attends, layer's predicted blocks start
-  moving (with the recall scheduler, in steps that are not captured: a captured step cannot
-  hand copies to a thread; it recalls its misses itself);
-- ``end_step()`` after a decode step: the step's record, admission fed with its measurements and
-  its extra-slot grants applied, the record logged. The backend calls it after the last layer of
-  a step that runs eagerly; a captured step has no host code after it, so ``begin`` of the next
-  forward closes it (its wall time then includes the host's work between the two);
-and the request registry (nosa.serve.registry) calls ``release(row)`` when a request leaves and
-``counters()`` for the stats file.
+``start`` (when $NOSA_OFFLOAD=1) checks the settings and the host pool's hooks, then builds the
+device block cache, the recall scheduler, the admission controller and the step counters. Per
+forward pass the backend calls ``begin(metadata)``, then per layer ``view`` (host-side reads),
+``resolve_layer`` (a decode layer, fixed shapes: the engine is a LayerResolver of
+nosa.serve.decode_runner) and ``prefetch`` (the next layer's blocks, in steps that are not
+captured), and ``end_step()`` after a decode step (a captured step's is closed by the next
+``begin``). The request registry calls ``release(row)`` and ``counters()``.
 """
 
 from __future__ import annotations
 
 import logging
 
-from nosa.serve.metadata import captured
+from nosa.decode import WantedBlocks
+from nosa.kv import DeviceRows
+from nosa.serve.metadata import ForwardMetadata, StepInputs, captured
+from nosa.serve.offload import admission
 from nosa.serve.offload.block_cache import DeviceBlockCache
 from nosa.serve.offload.kv import OffloadKV, predicted_blocks
+from nosa.serve.offload.recall import RecallScheduler
 from nosa.serve.offload.resolve import NewTokens, PageTable, host_pages
 from nosa.serve.offload.settings import OffloadSettings
 from nosa.serve.offload.stats import StepRecord, StepStats
@@ -38,6 +28,11 @@ logger = logging.getLogger(__name__)
 
 
 class OffloadEngine:
+    """The offloading parts of one backend; a LayerResolver (nosa.serve.decode_runner) that does not
+    read SGLang's pool in place (``in_place`` False: the KV is in the host pool)."""
+
+    in_place = False
+
     def __init__(self, model_runner, cfg, cache: DeviceBlockCache, scheduler=None, admission=None):
         self.cfg, self.cache, self.scheduler, self.admission = cfg, cache, scheduler, admission
         self.pool = model_runner.token_to_kv_pool  # the host pool (nosa.serve.offload.host_pool.HostKVPool)
@@ -52,7 +47,7 @@ class OffloadEngine:
     @classmethod
     def start(cls, model_runner, cfg, num_layers: int, num_kv_heads: int, head_dim: int) -> "OffloadEngine":
         """Validate the settings, check that the host pool hooks took effect, build the parts."""
-        from nosa.serve.offload import host_pool
+        from nosa.serve.offload import host_pool  # optional: sglang (the decode harness builds engines without it)
 
         settings = OffloadSettings.from_env()
         settings.validate(cfg, model_runner.server_args.page_size)
@@ -66,8 +61,6 @@ class OffloadEngine:
         pool = model_runner.token_to_kv_pool
         scheduler = None
         if settings.schedule:
-            from nosa.serve.offload.recall import RecallScheduler
-
             scheduler = RecallScheduler(num_layers, settings.chunk_items)
         cache = DeviceBlockCache(
             num_layers, settings.max_requests(cfg), num_kv_heads, settings.slots_per_head(cfg), cfg.block_size,
@@ -83,32 +76,32 @@ class OffloadEngine:
         """[R] the device group of each request row (nosa.serve.metadata.ForwardMetadata.groups)."""
         return self.cache.groups_of(rows)
 
-    def begin(self, step) -> list[bool] | None:
+    def begin(self, metadata: ForwardMetadata) -> list[bool] | None:
         """A forward pass starts (host side): the decode step before it gets its record if it has
         none yet (a captured step); a starting request takes back its slot columns lent to others;
         a decode step drops stale blocks and starts its counters. Returns, for a decode step,
         whether each request's group is warm (its previous step was a decode step)."""
         if self._step_open:
             self.end_step()
-        real = [i for i, row in enumerate(step.rows) if row]  # row 0: a captured batch's padding
+        real = [i for i, row in enumerate(metadata.rows) if row]  # row 0: a captured batch's padding
         for i in real:
-            self.cache.activate(step.rows[i])
-        if not step.decode:
+            self.cache.activate(metadata.rows[i])
+        if not metadata.decode:
             return None
         self.stats.begin(len(real))
         self.cache.clear_group_bytes()
-        groups = [g for i, g in enumerate(step.groups.tolist()) if step.rows[i]]
-        lengths = [step.lengths[i] for i in real]
+        groups = [g for i, g in enumerate(metadata.groups.tolist()) if metadata.rows[i]]
+        lengths = [metadata.lengths[i] for i in real]
         self._blocks = {g: -(-n // self.cache.block) for g, n in zip(groups, lengths)}
         self._step_open = True
         warm = iter(self.cache.begin_decode(groups, lengths))
-        return [bool(row) and next(warm) for row in step.rows]
+        return [bool(row) and next(warm) for row in metadata.rows]
 
-    def view(self, layer: int, step, new_tokens: NewTokens | None = None) -> OffloadKV:
-        """The KV view of ``layer`` for the requests of ``step`` (decode: with their new tokens)."""
-        return OffloadKV(self.pool, self.cache, self.req_to_token, layer, step, self.device, new_tokens)
+    def view(self, layer: int, metadata: ForwardMetadata, new_tokens: NewTokens | None = None) -> OffloadKV:
+        """The KV view of ``layer`` for the requests of ``metadata`` (decode: with their new tokens)."""
+        return OffloadKV(self.pool, self.cache, self.req_to_token, layer, metadata, self.device, new_tokens)
 
-    def resolve_layer(self, layer: int, wanted, inputs, new_tokens: NewTokens):
+    def resolve_layer(self, layer: int, wanted: WantedBlocks, inputs: StepInputs, new_tokens: NewTokens) -> DeviceRows:
         """A decode layer's wanted blocks (nosa.decode.WantedBlocks) for the step's requests
         (nosa.serve.metadata.StepInputs), resident in the device block cache: its DeviceRows. Fixed
         shapes; in a step that runs eagerly with the recall scheduler, the layer's prefetch is
@@ -117,20 +110,20 @@ class OffloadEngine:
         prefetched = None
         if self.scheduler is not None and not captured():
             prefetched = self.cache.claim_prefetch(layer, inputs.groups)
-        return self.cache.resolve_step(layer, inputs.groups, wanted.blocks, inputs.lengths, pages,
-                                       self.pool.items(layer), new_tokens, inputs.warm, inputs.real, prefetched)
+        return self.cache.resolve_layer(layer, inputs.groups, wanted.blocks, inputs.lengths, pages,
+                                        self.pool.items(layer), new_tokens, inputs.warm, inputs.real, prefetched)
 
-    def prefetch(self, layer: int, step, states) -> None:
+    def prefetch(self, layer: int, metadata: ForwardMetadata, states) -> None:
         """Start moving ``layer``'s predicted blocks for this decode step (the layer before it is
         about to attend). ``states``: the request registry (nosa.serve.registry.RequestRegistry)."""
-        if layer >= self.num_layers or not self.cache.may_prefetch(layer, step.groups, step.lengths):
+        if layer >= self.num_layers or not self.cache.may_prefetch(layer, metadata.groups, metadata.lengths):
             return
-        layer_states = [states.get(row, layer) for row in step.rows]
+        layer_states = [states.get(row, layer) for row in metadata.rows]
         if all(s is None for s in layer_states):
             return
-        predicted = predicted_blocks(layer_states, step.lengths, self.cfg)
-        pages = host_pages(self.req_to_token, step.table_rows, predicted, self.cache.block)
-        self.cache.prefetch(layer, step.groups, predicted, step.lengths, pages, self.pool.items(layer))
+        predicted = predicted_blocks(layer_states, metadata.lengths, self.cfg)
+        pages = host_pages(self.req_to_token, metadata.table_rows, predicted, self.cache.block)
+        self.cache.prefetch(layer, metadata.groups, predicted, metadata.lengths, pages, self.pool.items(layer))
 
     def end_step(self) -> StepRecord:
         """After a decode step's last layer: its record; admission (if on) learns from it and lends
@@ -177,8 +170,6 @@ class OffloadEngine:
 
 def _start_admission(settings, cfg, cache, pool, num_layers: int, num_kv_heads: int):
     """The admission controller, seeded by a start-up probe of the link (nosa.serve.offload.admission)."""
-    from nosa.serve.offload import admission
-
     admission.verify_hooks()
     control = admission.Admission(
         admission.AdmissionPolicy(max_extra=settings.extra_slots), cache.item_bytes, cfg.topk_blocks,

@@ -1,21 +1,13 @@
 """The host KV pool: SGLang's logical KV pool, kept in host memory, and the hooks that install it.
 
-With offloading on, SGLang's allocator ids are host slots. Its KV pool and allocator are sized to
-the host capacity ($NOSA_HOST_KV_TOKENS), so SGLang's scheduler, chunked prefill, input-length
-limit, leak checks and release paths work unchanged against host memory; the backend's device
-block cache (nosa.serve.offload.block_cache) holds the few blocks each step attends to.
-
-Layout per layer (SGLang's own "HND" layout, one page = one NOSA block): K and V
-[P, Hkv, B, D] and the eviction scores cis [P, Hkv, B] float32, so one (block, KV head) is one
-contiguous item: item ``page * Hkv + h`` of the [P * Hkv, B, D] view, the unit the recall engine
-(nosa.ops.copy_items) moves. Token slot ``s`` (an allocator id) is page ``s // B``, offset
-``s % B``. On CUDA the buffers are registered as pinned memory in chunks (as SGLang's HiCache
-does), so the recall kernel reads them directly.
-
-Hooks (sglang.srt.plugins.hook_registry, registered by the plugin when $NOSA_OFFLOAD=1, in every
-process): the KV pool class, the pool size (host tokens, not device memory), and the cap on
-running requests (the device budget's ``max_requests``). ``verify`` checks at start-up that each
-took effect: HookRegistry only logs a target it cannot resolve.
+With offloading, SGLang's allocator ids are host slots and its pool is sized to $NOSA_HOST_KV_TOKENS,
+so its scheduler, chunked prefill, length limits and leak checks work unchanged against host memory.
+Layout per layer (SGLang's "HND", one page = one NOSA block): K, V [P, Hkv, B, D] and cis [P, Hkv, B]
+float32; item ``page * Hkv + h`` of the [P * Hkv, B, D] view is one (block, KV head), the unit
+nosa.ops.copy_items moves; token slot ``s`` is page ``s // B``, offset ``s % B``. On CUDA the buffers
+are pinned in chunks, so the recall kernel reads them directly. ``register_hooks`` (the plugin, every
+process) hooks the pool class, its size and the cap on running requests (the device budget's
+``max_requests``); ``verify`` checks at start-up that each took effect.
 """
 
 from __future__ import annotations
@@ -24,7 +16,9 @@ import logging
 
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from nosa.serve.checkpoint import load_nosa_config, resolve_model_dir
 from nosa.serve.offload.kv import TokenRowMemo, write_token_rows
 from nosa.serve.offload.settings import OffloadSettings, check_host_memory
 
@@ -110,8 +104,6 @@ def _pin(buf: torch.Tensor) -> None:
 # ---- hooks ----------------------------------------------------------------------------------
 def register_hooks(settings: OffloadSettings) -> None:
     """Install the host pool through SGLang's HookRegistry (called by the plugin in every process)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     def pool_class(original, self, *, kind, default):
         cls = original(self, kind=kind, default=default)
         return HostKVPool if kind == "mha" and cls is MHATokenToKVPool else cls
@@ -124,8 +116,6 @@ def register_hooks(settings: OffloadSettings) -> None:
         return min(original(self, token_capacity), settings.host_tokens)
 
     def max_requests(original, self, token_capacity):
-        from nosa.serve.checkpoint import load_nosa_config, resolve_model_dir
-
         cfg, _ = load_nosa_config(resolve_model_dir(self.model_config.model_path))
         return min(original(self, token_capacity), settings.max_requests(cfg))
 

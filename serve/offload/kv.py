@@ -16,27 +16,30 @@ from __future__ import annotations
 import torch
 
 from nosa import ops
+from nosa.layout import NEG_INF
+from nosa.select import static_selection
+from nosa.serve.metadata import ForwardMetadata
 from nosa.serve.offload.resolve import NewTokens, host_pages
 
 
 class OffloadKV:
-    """Layer ``layer_id`` of the requests of ``step`` (nosa.serve.metadata.ForwardMetadata): their tokens in
+    """Layer ``layer_id`` of the requests of ``metadata`` (nosa.serve.metadata.ForwardMetadata): their tokens in
     the host pool ``pool`` (nosa.serve.offload.host_pool.HostKVPool) at the slots ``req_to_token``
     lists, the blocks a decode step attends to in the device block ``cache``. ``new_tokens``: the
     decode step's token of each request in this layer, written through into the cache on resolve."""
 
-    def __init__(self, pool, cache, req_to_token: torch.Tensor, layer_id: int, step, device,
+    def __init__(self, pool, cache, req_to_token: torch.Tensor, layer_id: int, metadata: ForwardMetadata, device,
                  new_tokens: NewTokens | None = None):
         self.pool, self.cache, self.req_to_token, self.layer_id = pool, cache, req_to_token, layer_id
-        self.step, self.device, self.new_tokens = step, device, new_tokens
+        self.metadata, self.device, self.new_tokens = metadata, device, new_tokens
         self.block = pool.page_size
         self.host = pool.items(layer_id)  # (k [P*Hkv, B, D], v, cis [P*Hkv, B])
 
     def length(self, i: int) -> int:
-        return self.step.lengths[i]
+        return self.metadata.lengths[i]
 
     def _token_read(self, which: int, i: int, lo: int, hi: int) -> torch.Tensor:
-        rows = self.pool.token_rows(self.req_to_token[self.step.rows[i], lo:hi]).to(self.device)  # [n, Hkv]
+        rows = self.pool.token_rows(self.req_to_token[self.metadata.rows[i], lo:hi]).to(self.device)  # [n, Hkv]
         src = self.host[which]
         width = src.shape[-1] if which < 2 else 1
         out = torch.empty(rows.numel(), width, dtype=src.dtype, device=self.device)
@@ -51,7 +54,7 @@ class OffloadKV:
 
     def gather_blocks(self, i: int, blocks: torch.Tensor, block_size: int):
         hkv = self.pool.head_num
-        table_row = self.step.table_rows[i : i + 1]
+        table_row = self.metadata.table_rows[i : i + 1]
         pages = host_pages(self.req_to_token, table_row, blocks[None, None], self.block)[0, 0].to(self.device)  # [U]
         src = (pages[:, None] * hkv + torch.arange(hkv, device=self.device)).flatten()
         work = [torch.empty(src.numel(), *t.shape[1:], dtype=t.dtype, device=self.device) for t in self.host]
@@ -62,8 +65,8 @@ class OffloadKV:
                      for w in work)
 
     def resolve(self, blocks: torch.Tensor, lengths: torch.Tensor, block_size: int):
-        pages = host_pages(self.req_to_token, self.step.table_rows, blocks, self.block)
-        return self.cache.resolve(self.layer_id, self.step.groups, blocks, self.step.lengths, pages, self.host,
+        pages = host_pages(self.req_to_token, self.metadata.table_rows, blocks, self.block)
+        return self.cache.resolve(self.layer_id, self.metadata.groups, blocks, self.metadata.lengths, pages, self.host,
                                   self.new_tokens)
 
 
@@ -118,9 +121,6 @@ def predicted_blocks(states, lengths: list[int], cfg) -> torch.Tensor:
     (states: its NosaDecodeState in the layer, or None): the static part of the new token's
     selection (nosa.select.static_selection: by the locality theorem it stays selected) first, then
     the previous step's selection; every block for requests within dense_len. -1 padded."""
-    from nosa.attention.math import NEG_INF
-    from nosa.select import static_selection
-
     known = [s for s in states if s is not None]
     if not known:
         raise ValueError("predicted_blocks: no state to predict from")

@@ -1,32 +1,16 @@
 """Interruptible, layer-wise recall scheduling for the offloading engine ($NOSA_RECALL_SCHEDULER=1).
 
-The device block cache (nosa.serve.offload.block_cache) hands its copies (host pool items -> device
-slots, ``nosa.ops.copy_items`` index lists) to one ``RecallScheduler``:
-
-- a transfer is split into chunks of ``chunk_items`` items; a worker thread (CPU: torch copies
-  release the GIL) copies one chunk at a time, always taking the oldest DEMAND transfer first (a
-  layer is waiting for it), else the oldest PREFETCH. A demand submitted while a prefetch is being
-  copied therefore preempts it at the next chunk boundary; the prefetch resumes afterwards from
-  where it stopped;
-- ``wait(layer)`` blocks until that layer's demand transfers are done: a layer never waits for
-  another layer's blocks nor for the queue (one event per transfer, SGLang's layer-wise pattern);
-- ``demand(...)``, what the block cache uses: the layer's misses are copied in the calling thread
-  (no hand-off to the worker, whose wake-up costs more than a few items' copy on a busy CPU) while
-  the worker pauses prefetching at its next chunk boundary (a preemption) and resumes after;
-- ``claim(transfer)`` is called when the prefetch's layer is about to resolve (its layer has come):
-  the chunks not yet started are dropped, the chunk in flight is waited for, and the number of
-  items that landed is returned (chunks run in order, so they are a prefix of the index list).
-  Callers record only landed items as resident, so what a layer reads never depends on timing.
-
-On CUDA the worker issues each chunk on a side copy stream and records an event; ``wait`` makes
-the compute stream wait on the demand events (the host does not block on the copy itself), and
-the worker waits for each prefetch chunk's event before taking the next one so that a demand is
-never queued behind more than one prefetch chunk. ``delay`` (seconds, or a callable(kind, layer)
-returning seconds) is injected before every chunk: tests use it to vary timings.
-
-Counters (``stats``): per layer, recall seconds (worker time copying) and items copied for each
-kind, stall seconds (time ``wait`` blocked), preemptions (a demand overtook a started prefetch),
-resumed prefetches, dropped prefetch items (their layer came first).
+The device block cache hands its copies (host pool items -> device slots, nosa.ops.copy_items index
+lists) to one ``RecallScheduler``: ``submit`` queues a transfer, split into chunks of ``chunk_items``
+items that a worker thread copies one at a time, the oldest DEMAND first, else the oldest PREFETCH
+(a demand preempts a prefetch at its next chunk boundary); ``demand`` copies a layer's misses in the
+calling thread while the worker pauses; ``wait(layer)`` blocks until that layer's demand transfers
+are done; ``claim(transfer)``, when the prefetch's layer resolves, drops the chunks not started,
+waits for the one in flight and returns how many items landed (a prefix of the index list), so
+what a layer reads never depends on timing. On CUDA the chunks run on a side copy stream with
+events. ``delay`` (seconds, or callable(kind, layer)) is injected before every chunk (tests).
+``stats``: per layer recall seconds and items per kind, stall seconds, preemptions, resumed
+prefetches, dropped prefetch items.
 """
 
 from __future__ import annotations
@@ -36,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from nosa import ops
 
 DEMAND, PREFETCH = "demand", "prefetch"
 
@@ -263,6 +249,4 @@ class RecallScheduler:
 
 
 def _copy_items(dst, src, dst_idx, src_idx) -> None:
-    from nosa import ops
-
     ops.copy_items(dst, src, dst_idx, src_idx)

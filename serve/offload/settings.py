@@ -1,34 +1,19 @@
 """Offloading settings of the ``nosa`` backend, read from the environment in every SGLang process.
 
 SGLang's command line belongs to SGLang, and the plugin runs in the launcher and in every
-subprocess, so the settings are environment variables (like ``NOSA_CONFIG``):
-
-- ``NOSA_OFFLOAD``: ``1`` keeps the KV in host memory (off, the default: the KV stays in SGLang's
-  device pool and none of the offloading engine is built);
-- ``NOSA_HOST_KV_TOKENS``: host KV capacity in tokens. It becomes SGLang's KV pool size, so the
-  scheduler's admission, chunked prefill, input-length limit and leak checks count host tokens;
-- ``NOSA_DEVICE_KV_TOKENS``: the one device KV budget, in tokens (K and V of every layer, like
-  SGLang's ``--max-total-tokens``), shared by all requests. A request holds
-  ``slots_per_head * block_size`` tokens of it for its whole life, whatever its context length;
-  the budget therefore caps the number of requests running at once (``max_requests``);
-- ``NOSA_DEVICE_EXTRA_SLOTS`` (default 0): block slots per (request, KV head) beyond
-  ``topk_blocks``; a spare slot keeps a dropped block resident, so it is a hit if it comes back.
-  With ``NOSA_ADMISSION=1`` it is the most a request may borrow (nosa.serve.offload.admission);
-- ``NOSA_RECALL_SCHEDULER`` (default 0): ``1`` moves recall to the interruptible layer-wise
-  scheduler (nosa.serve.offload.recall): a layer still copies its own misses inline, but the next
-  layer's predicted blocks are prefetched on a worker while a layer computes, and that prefetch
-  pauses whenever a layer copies its misses; ``NOSA_RECALL_CHUNK_ITEMS`` (default 64) items per
-  chunk;
-- ``NOSA_ADMISSION`` (default 0): ``1`` turns on I/O-adaptive admission (nosa.serve.offload.admission):
-  each request owns ``topk_blocks`` slots (so the budget holds more requests), extra slots are
-  lent from idle requests' slots, and new requests wait while their recall could not be hidden.
+subprocess, so the settings are environment variables, read through nosa.env (whose ``VARIABLES``
+say what each means): $NOSA_OFFLOAD (on/off), $NOSA_HOST_KV_TOKENS and $NOSA_DEVICE_KV_TOKENS
+(required with offloading), $NOSA_DEVICE_EXTRA_SLOTS, $NOSA_RECALL_SCHEDULER,
+$NOSA_RECALL_CHUNK_ITEMS and $NOSA_ADMISSION. A malformed value raises ValueError naming the
+variable, the value and what is expected.
 """
 
 from __future__ import annotations
 
-import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from nosa import env
 from nosa.config import NosaConfig
 
 ENV_OFFLOAD = "NOSA_OFFLOAD"
@@ -41,50 +26,46 @@ ENV_ADMISSION = "NOSA_ADMISSION"
 
 
 def offload_enabled() -> bool:
-    return _bool_env(ENV_OFFLOAD)
+    with _backend_errors():
+        return env.flag(ENV_OFFLOAD)
 
 
-def _bool_env(name: str) -> bool:
-    value = os.environ.get(name, "0").strip().lower()
-    if value not in ("0", "1", "", "false", "true", "off", "on"):
-        raise ValueError(f"nosa backend: ${name}={value!r} must be 1 (on) or 0 (off)")
-    return value in ("1", "true", "on")
-
-
-def _int_env(name: str, default: int | None = None, minimum: int = 1) -> int:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        if default is None:
-            raise ValueError(f"nosa backend: ${ENV_OFFLOAD}=1 needs ${name} (tokens, an integer >= {minimum})")
-        return default
+@contextmanager
+def _backend_errors():
+    """nosa.env's ValueErrors (naming the variable, its value, what is expected), prefixed as the
+    backend's other start-up errors are."""
     try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"nosa backend: ${name}={text!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"nosa backend: ${name}={value} must be >= {minimum}")
+        yield
+    except ValueError as err:
+        raise ValueError(f"nosa backend: {err}") from None
+
+
+def _required(name: str, value: int | None) -> int:
+    if value is None:
+        raise ValueError(f"${ENV_OFFLOAD}=1 needs ${name} (tokens, an integer >= 1)")
     return value
 
 
 @dataclass(frozen=True)
 class OffloadSettings:
-    host_tokens: int
-    device_tokens: int
-    extra_slots: int = 0
-    schedule: bool = False
-    chunk_items: int = 64
-    admission: bool = False
+    host_tokens: int  # $NOSA_HOST_KV_TOKENS
+    device_tokens: int  # $NOSA_DEVICE_KV_TOKENS
+    extra_slots: int = 0  # $NOSA_DEVICE_EXTRA_SLOTS
+    schedule: bool = False  # $NOSA_RECALL_SCHEDULER
+    chunk_items: int = 64  # $NOSA_RECALL_CHUNK_ITEMS
+    admission: bool = False  # $NOSA_ADMISSION
 
     @classmethod
     def from_env(cls) -> "OffloadSettings":
-        return cls(
-            host_tokens=_int_env(ENV_HOST_TOKENS),
-            device_tokens=_int_env(ENV_DEVICE_TOKENS),
-            extra_slots=_int_env(ENV_EXTRA_SLOTS, default=0, minimum=0),
-            schedule=_bool_env(ENV_SCHEDULE),
-            chunk_items=_int_env(ENV_CHUNK, default=64),
-            admission=_bool_env(ENV_ADMISSION),
-        )
+        with _backend_errors():
+            return cls(
+                host_tokens=_required(ENV_HOST_TOKENS, env.integer(ENV_HOST_TOKENS, minimum=1)),
+                device_tokens=_required(ENV_DEVICE_TOKENS, env.integer(ENV_DEVICE_TOKENS, minimum=1)),
+                extra_slots=env.integer(ENV_EXTRA_SLOTS, minimum=0),
+                schedule=env.flag(ENV_SCHEDULE),
+                chunk_items=env.integer(ENV_CHUNK, minimum=1),
+                admission=env.flag(ENV_ADMISSION),
+            )
 
     def home_slots(self, cfg: NosaConfig) -> int:
         """Slots a request owns for its whole life: all of them, or with admission only the budget
@@ -129,7 +110,7 @@ class OffloadSettings:
 
 def check_host_memory(host_bytes: int, what: str) -> None:
     """Fail at start-up, with the numbers, when the host pool cannot fit in free RAM."""
-    import psutil
+    import psutil  # optional: psutil (SGLang's dependency, not nosa's)
 
     available = psutil.virtual_memory().available
     if host_bytes > 0.9 * available:

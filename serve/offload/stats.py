@@ -20,6 +20,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from nosa import env
+from nosa.wandb_log import Logger
+
 ENV_WANDB = "NOSA_SERVE_WANDB"
 ENV_WANDB_DIR = "NOSA_SERVE_WANDB_DIR"
 CACHE_KEYS = ("selected", "hits", "misses", "prefetch_hits", "prefetched", "prefetch_dropped", "recalled_bytes")
@@ -132,13 +135,13 @@ def _flat(record: dict) -> dict:
 
 
 def _wandb_logger():
-    mode = os.environ.get(ENV_WANDB, "").strip().lower()
-    if mode in ("", "0", "off", "disabled"):
+    """The W&B logger $NOSA_SERVE_WANDB asks for (None: disabled), into $NOSA_SERVE_WANDB_DIR."""
+    try:
+        mode = env.choice(ENV_WANDB)
+    except ValueError as err:  # prefixed as the backend's other start-up errors are
+        raise ValueError(f"nosa backend: {err}") from None
+    if mode in ("0", "off", "disabled"):
         return None
-    if mode not in ("offline", "online", "1", "on"):
-        raise ValueError(f"nosa backend: ${ENV_WANDB}={mode!r} must be offline, online or disabled")
-    from nosa.wandb_log import Logger
-
-    out = os.environ.get(ENV_WANDB_DIR) or os.path.join(os.getcwd(), "runs", "serve")
+    out = os.path.abspath(env.path(ENV_WANDB_DIR))  # default: runs/serve in the working directory
     return Logger(out, {"source": "nosa serve offloading"}, "offline" if mode in ("1", "on") else mode,
                   project="nosa-serve", name=None, wandb_dir=out)

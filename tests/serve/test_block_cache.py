@@ -157,7 +157,8 @@ def test_resolved_slots_give_the_kernel_the_same_attention_as_the_rows(monkeypat
     """The (items, slots, fill) form of a resolve, which nosa.ops.slot_decode reads on CUDA, is the
     same set of keys as its rows: equal attention (reference and the Triton kernel, interpreted)."""
     from nosa import ops
-    from nosa.attention.math import NEG_INF, attend_gathered
+    from nosa.attention.math import attend_gathered
+    from nosa.layout import NEG_INF
 
     cache, host = _cache(groups=2, ns=3), _host()
     wanted = torch.tensor([[[0, 2, 1], [2, -1, 0]], [[3, 1, -1], [0, 1, 3]]])

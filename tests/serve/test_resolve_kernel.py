@@ -1,5 +1,5 @@
 """The fused CPU resolve kernel (nosa.kernels.resolve_cpu) against its spec, the torch code of
-DeviceBlockCache.resolve_step: two caches fed the same random decode steps, one through each, must
+DeviceBlockCache.resolve_layer: two caches fed the same random decode steps, one through each, must
 end every step with the same slot maps, device buffers, counters and rows."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_kernel_equals_the_torch_resolve(monkeypatch, dtype, admission, schedule
             # the host side of a step: stale blocks dropped, groups synced (as begin_decode)
             cache.begin_decode([g for g, r in zip(grp.tolist(), rows) if r], [n for n, r in zip(lens, rows) if r])
             where = page if step % 2 else PageTable(req_to_token, torch.tensor(rows))  # pages given, or looked up
-            found = cache.resolve_step(0, grp, wanted, torch.tensor(lens), where, host, new, warm, real)
+            found = cache.resolve_layer(0, grp, wanted, torch.tensor(lens), where, host, new, warm, real)
             out.append(found)
         _same_rows(*out)
         assert torch.equal(spec.blocks[0], fused.blocks[0]), step
@@ -156,6 +156,6 @@ def test_kernel_refuses_indices_outside_the_buffers():
     cache.col_of[0] = -1
     wanted = torch.tensor([[[0, 1], [0, 1]]])
     with pytest.raises(RuntimeError, match="outside the"):
-        cache.resolve_step(0, torch.tensor([0]), wanted, torch.tensor([8]), wanted + 3, host, None,
-                           torch.tensor([True]))
+        cache.resolve_layer(0, torch.tensor([0]), wanted, torch.tensor([8]), wanted + 3, host, None,
+                            torch.tensor([True]))
     assert int(cache.k[0].count_nonzero()) == 0
