@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from nosa.bench.results import write_result
 
 
 def main() -> None:
@@ -65,9 +65,7 @@ def main() -> None:
     except Exception as e:
         result.update(ok=False, error=repr(e)[-1500:])
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "error"}), result.get("error", "")[-400:], sep="\n")
     sys.exit(0 if result["ok"] else 1)
 

@@ -28,68 +28,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-    os.environ.setdefault(_var, "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    os.environ.setdefault(_var, "1")  # before transformers is imported (it reads them then)
 
-from _suite_config import budget_config  # noqa: E402
-from sweep_fit import capture_examples, coverage, write_report  # noqa: E402
-
-# text of nosa.train.ruler's inserted sentences (not of its instructions), to find the distractors' blocks
-INSERTED = ("magic numbers for", " keeps the ", "VAR ", "pass key is")
-
-
-def static_order(evict) -> list[int]:
-    """Blocks in the heads' order for one KV head: evict [NB, 2] (pooled score, block mean), best
-    first, ties to the lower index (stable sorts, least significant key first)."""
-    import torch
-
-    order = torch.arange(evict.shape[0])
-    order = order[torch.sort(-evict[order, 1], stable=True).indices]
-    return order[torch.sort(-evict[order, 0], stable=True).indices].tolist()
-
-
-def probe(model, example: dict, share: int, inserted: set[int]) -> dict:
-    """Answer-block weight of one example at one share: total, forced, ranked, picked, covered, and
-    the weighted count of inserted-sentence blocks the heads rank above the answer's."""
-    import torch
-
-    from nosa.compress import compress_windows
-    from nosa.eviction import MODULE_NAME, block_eviction_scores
-    from nosa.select import query_block_scores
-
-    cfg = budget_config(example["length"], share)
-    b, size = example["block"], cfg.block_size
-    # every layer sees the same prompt: its blocks, the forced ones and the ranked slots are the example's
-    length = next(iter(example["layers"].values()))[1].shape[0]
-    nb, cur = cfg.num_blocks(length), (length - 1) // size
-    forced = set(range(cfg.sink_blocks)) | set(range(max(0, cur - cfg.window_blocks + 1), cur + 1))
-    ranked_slots = cfg.topk_blocks - len(forced) - cfg.query_blocks
-    out = {"total": 0.0, "forced": 0.0, "ranked": 0.0, "picked": 0.0, "above": 0.0}
-    for name, (q, k, v, probs) in example["layers"].items():
-        attn = model.get_submodule(name)
-        hkv = k.shape[1]
-        with torch.no_grad():
-            evict = block_eviction_scores(getattr(attn, MODULE_NAME)(v), cfg, nb)  # [Hkv, NB, 2]
-            query = query_block_scores(q, compress_windows(k, cfg), torch.tensor([length - 1]), nb, cfg,
-                                       attn.scaling)[0]  # [Hkv, NB]
-        mass = probs[:, b * size : (b + 1) * size].sum(-1).reshape(hkv, -1).sum(-1)
-        for h in range(hkv):
-            m = float(mass[h])
-            out["total"] += m
-            if b in forced:
-                out["forced"] += m
-                continue
-            by_heads = [x for x in static_order(evict[h]) if x not in forced]
-            by_query = [x for x in torch.sort(-query[h], stable=True).indices.tolist() if x not in forced]
-            rank = by_heads.index(b)
-            out["ranked"] += m * (rank < ranked_slots)
-            out["picked"] += m * (b in by_query[: cfg.query_blocks])
-            out["above"] += m * len(inserted.intersection(by_heads[:rank]))
-    out["covered"] = coverage(model, example, share) * out["total"]
-    return out
+from nosa.bench.longctx.probe import run  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -109,52 +52,7 @@ def main(argv=None) -> int:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise SystemExit(f"probe_ranking: no checkpoint at {path!r} (python -m nosa.models smollm2 --out "
                              "models/smollm2-135m; python -m nosa.train --config configs/train/smollm2.yaml)")
-
-    from transformers import AutoTokenizer
-
-    import nosa
-    from nosa.train import prose, ruler
-
-    t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    model = nosa.from_pretrained(args.checkpoint).eval()
-    _, heldout = prose.split(prose.documents(prose.FIXED_SOURCES))
-    haystack = ruler.Haystack(tokenizer, [d.text for d in heldout])
-    examples = [ex for task in args.tasks
-                for ex in ruler.make_examples(tokenizer, haystack, task, args.length, args.examples, args.seed)]
-    capture_cfg = budget_config(args.length, args.shares[0])  # the capture runs densely; any share's blocks
-    size = capture_cfg.block_size
-    captured = capture_examples(model, capture_cfg, examples, tokenizer, size)
-    by_index = {(ex.task, ex.index): ex for ex in examples}
-    sums: dict[tuple[str, int], dict] = {}
-    for cap in captured:
-        ex = by_index[(cap["task"], cap["index"])]
-        texts = [tokenizer.decode(list(ex.prompt_ids[i : i + size])) for i in range(0, ex.context_end, size)]
-        inserted = {i for i, t in enumerate(texts) if any(s in t for s in INSERTED)} - {cap["block"]}
-        for share in args.shares:
-            got = probe(model, cap, share, inserted)
-            acc = sums.setdefault((cap["task"], share), {"examples": 0})
-            acc["examples"] += 1
-            for key, value in got.items():
-                acc[key] = acc.get(key, 0.0) + value
-    rows = []
-    for (task, share), acc in sums.items():
-        total = acc["total"]
-        rows.append({"task": task, "share": share, "examples": acc["examples"],
-                     "config": budget_config(args.length, share).to_dict(),
-                     **{key: acc[key] / total for key in ("forced", "ranked", "picked", "covered", "above")}})
-    report = {"checkpoint": args.checkpoint, "length": args.length, "seed": args.seed, "tasks": args.tasks,
-              "examples_per_task": args.examples, "rows": rows, "seconds": round(time.perf_counter() - t0, 1),
-              "metric": "shares of the answer block's dense attention from the last prompt row (module docstring)"}
-    write_report(report, args.out)
-    print("| task | budget | ranked by the heads | picked by the query | forced | in the selection "
-          "| inserted sentences ranked above it |\n|---|---|---|---|---|---|---|")
-    for r in rows:
-        c = r["config"]
-        print(f"| {r['task']} | 1/{r['share']} ({c['topk_blocks']}: {c['query_blocks']} picks) | {r['ranked']:.3f} "
-              f"| {r['picked']:.3f} | {r['forced']:.3f} | {r['covered']:.3f} | {r['above']:.2f} |")
-    print(f"\nwrote {args.out} ({report['seconds'] / 60:.1f} min)")
-    return 0
+    return run(args)
 
 
 if __name__ == "__main__":

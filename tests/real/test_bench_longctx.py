@@ -1,45 +1,42 @@
-"""scripts/bench_longctx.py: the suite's NosaConfigs, the Wilson interval, and a tiny end-to-end run
-on the real model in which A = 0 with every block in its budget must reply exactly as dense."""
+"""scripts/bench_longctx.py (nosa.bench.longctx): the suite's NosaConfigs, the Wilson interval, and a
+tiny end-to-end run on the real model in which A = 0 with every block in its budget must reply
+exactly as dense."""
 
 import argparse
 import json
 import math
 import os
-import sys
 from fractions import Fraction
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "scripts"))
-import _suite_config  # noqa: E402
-import bench_longctx  # noqa: E402
-from _longctx_report import drop_variants, merge, targets, wilson  # noqa: E402
-from _longctx_report import share as right_share  # noqa: E402
+from nosa.bench.longctx import config as suite_config
+from nosa.bench.longctx.summary import drop_variants, merge, targets, wilson
+from nosa.bench.longctx.summary import share as right_share
 
 
 def test_budget_config_scales_the_released_structure():
-    cfg = _suite_config.budget_config(8192, 4, _suite_config.RELEASED_PICKS)
+    cfg = suite_config.budget_config(8192, 4, suite_config.RELEASED_PICKS)
     assert (cfg.num_blocks(8192), cfg.topk_blocks, cfg.window_blocks, cfg.query_blocks) == (256, 64, 17, 15)
-    cfg = _suite_config.budget_config(8192, 4)  # the suite's default split: 1/16 of the budget as picks
+    cfg = suite_config.budget_config(8192, 4)  # the suite's default split: 1/16 of the budget as picks
     assert (cfg.topk_blocks, cfg.window_blocks, cfg.query_blocks) == (64, 17, 4)
     assert (cfg.sink_blocks, cfg.block_size, cfg.dense_len) == (1, 32, 0)
     for length in (2048, 4096, 8192):
         for share in (4, 8):
-            cfg = _suite_config.budget_config(length, share)
+            cfg = suite_config.budget_config(length, share)
             assert cfg.topk_blocks * share == length // 32
             assert cfg.window_blocks >= 2 and cfg.topk_blocks >= cfg.sink_blocks + cfg.window_blocks + cfg.query_blocks
 
 
 def test_budget_config_picks_share():
-    cfg = _suite_config.budget_config(8192, 4, Fraction(1, 8))
+    cfg = suite_config.budget_config(8192, 4, Fraction(1, 8))
     assert (cfg.topk_blocks, cfg.window_blocks, cfg.query_blocks) == (64, 17, 8)
-    assert _suite_config.budget_config(2048, 4, Fraction(0)).query_blocks == 0
-    assert _suite_config.picks_share("1/16") == Fraction(1, 16)
+    assert suite_config.budget_config(2048, 4, Fraction(0)).query_blocks == 0
+    assert suite_config.picks_share("1/16") == Fraction(1, 16)
     for bad in ("1", "-1/8", "x", "1/0"):
         with pytest.raises(argparse.ArgumentTypeError, match="fraction|share"):
-            _suite_config.picks_share(bad)
+            suite_config.picks_share(bad)
 
 
 def test_a0_selection_does_not_depend_on_the_picks_share():
@@ -52,8 +49,8 @@ def test_a0_selection_does_not_depend_on_the_picks_share():
     q, k, v = torch.randn(T, hq, d), torch.randn(T, hkv, d), torch.randn(T, hkv, d)
     cis = torch.zeros(T, hkv)
     sets = []
-    for picks in (_suite_config.RELEASED_PICKS, Fraction(1, 8), Fraction(0)):
-        _, sel = nosa_prefill(q, k, v, cis, _suite_config.budget_config(T, 2, picks), d ** -0.5)
+    for picks in (suite_config.RELEASED_PICKS, Fraction(1, 8), Fraction(0)):
+        _, sel = nosa_prefill(q, k, v, cis, suite_config.budget_config(T, 2, picks), d ** -0.5)
         sets.append(sel.sort(dim=-1).values)
     assert sets[0].shape[-1] == 16 and (sets[0] >= 0).any()
     assert torch.equal(sets[0], sets[1]) and torch.equal(sets[0], sets[2])
@@ -121,18 +118,18 @@ def test_merge_joins_variants_on_the_same_examples():
         merge([old, _run(["dense", "x, 1/4"], {"dense": (1, 1), "x, 1/4": (1, 1)}, nll={"dense": 2.5})])
 
 
-def test_no_a0_needs_a_checkpoint_and_drop_needs_merge(capsys):
+def test_no_a0_needs_a_checkpoint_and_drop_needs_merge(run_script, capsys):
     with pytest.raises(SystemExit):
-        bench_longctx.main(["--no-a0"])
+        run_script("bench_longctx.py", "--no-a0")
     assert "leaves only dense" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench_longctx.main(["--drop", "x"])
+        run_script("bench_longctx.py", "--drop", "x")
     assert "--drop works with --merge" in capsys.readouterr().err
 
 
-def test_merge_names_an_unreadable_report(tmp_path):
+def test_merge_names_an_unreadable_report(run_script, tmp_path):
     with pytest.raises(SystemExit, match="cannot read the report .*missing.json"):
-        bench_longctx.main(["--merge", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o.json")])
+        run_script("bench_longctx.py", "--merge", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o.json"))
 
 
 def test_targets_against_dense_and_a0():
@@ -157,11 +154,11 @@ def test_wilson_interval():
 
 
 @pytest.mark.real
-def test_tiny_run_full_budget_replies_as_dense_and_dense_is_cached(real_checkpoint, tmp_path, capsys):
+def test_tiny_run_full_budget_replies_as_dense_and_dense_is_cached(real_checkpoint, run_script, tmp_path, capsys):
     args = ["--model", real_checkpoint, "--lengths", "512", "--examples", "1", "--tasks", "niah_single",
             "--shares", "1", "4", "--ppl-windows", "1", "--cache", str(tmp_path / "cache"),
             "--out", str(tmp_path / "r.json")]
-    assert bench_longctx.main(args) == 0
+    assert run_script("bench_longctx.py", *args) == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert "| 512 | **all** |" in capsys.readouterr().out
     assert [r["variant"] for r in report["results"]] == ["dense", "A = 0, 1/1", "A = 0, 1/4"]
@@ -175,36 +172,34 @@ def test_tiny_run_full_budget_replies_as_dense_and_dense_is_cached(real_checkpoi
     ppl = {p["variant"]: p for p in report["perplexity"]}
     assert ppl["A = 0, 1/1"]["ratio_to_dense"] == pytest.approx(1.0, abs=1e-4)
     # a second run reads dense from the cache: no dense decoding time
-    assert bench_longctx.main(args) == 0
+    assert run_script("bench_longctx.py", *args) == 0
     again = json.loads((tmp_path / "r.json").read_text())
     assert again["results"][0]["seconds"] == 0
     assert [e["reply"] for e in again["examples"]] == [e["reply"] for e in report["examples"]]
 
 
 def test_sweep_fit_settings_are_parsed_with_clear_errors():
-    import sweep_fit
+    from nosa.bench.longctx.sweep import parse_setting
 
-    assert sweep_fit.parse_setting("rank=1,tau=0.02,rows=12") == {"rank": 1.0, "tau": 0.02, "rows": 12}
+    assert parse_setting("rank=1,tau=0.02,rows=12") == {"rank": 1.0, "tau": 0.02, "rows": 12}
     for bad in ("rank", "depth=3", "rows=1.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="rank|depth|rows"):
-            sweep_fit.parse_setting(bad)
+            parse_setting(bad)
 
 
 @pytest.mark.real
-def test_sweep_fit_end_to_end_on_the_real_model(real_checkpoint, real_tokenizer, tmp_path):
+def test_sweep_fit_end_to_end_on_the_real_model(real_checkpoint, real_tokenizer, run_script, tmp_path):
     """Two settings refitted from one capture; at a budget of every block the coverage is exactly 1,
     and the answer block found for each example holds the answer's text."""
-    import sweep_fit
-
     from nosa.train import prose, ruler
 
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                           "configs", "train", "smollm2.yaml")
     common = ["--config", config, f"model.path={real_checkpoint}",
               f"data.ruler.dir={tmp_path}/data", "seq_len=512", "data.ruler.tasks=[qa, niah_single]",
-              "data.ruler.train_examples=1", "distill_rows=2", "--tasks", "qa", "niah_single", "--lengths", "512",
+              "data.ruler.train_examples=1", "distill.rows=2", "--tasks", "qa", "niah_single", "--lengths", "512",
               "--examples", "1", "--settings", "rank=0,steps=5", "rank=1,steps=5"]
-    assert sweep_fit.main(common + ["--share", "1", "--out", str(tmp_path / "full.json")]) == 0
+    assert run_script("sweep_fit.py", *common, "--share", "1", "--out", str(tmp_path / "full.json")) == 0
     full = json.loads((tmp_path / "full.json").read_text())
     assert [r["setting"].split(",")[0] for r in full["results"]] == ["rank=0.0", "rank=1.0"]
     assert full["captured_rows"] == 2 and len(full["examples"]) == 2
@@ -222,8 +217,7 @@ def test_sweep_fit_end_to_end_on_the_real_model(real_checkpoint, real_tokenizer,
 def test_probe_ranking_static_order_is_the_selections():
     """probe_ranking's order of the heads (pooled score, block mean, lower index) picks exactly the
     blocks select_blocks ranks into the budget, ties included."""
-    import probe_ranking
-
+    from nosa.bench.longctx.probe import static_order
     from nosa.config import NosaConfig
     from nosa.select import select_blocks
 
@@ -238,21 +232,19 @@ def test_probe_ranking_static_order_is_the_selections():
         chosen = select_blocks(torch.zeros(1, 2, nb), evict, position, cfg)[0]
         forced = {0, nb - 2, nb - 1}
         for h in range(2):
-            order = [b for b in probe_ranking.static_order(evict[0, h]) if b not in forced]
+            order = [b for b in static_order(evict[0, h]) if b not in forced]
             assert set(order[: cfg.topk_blocks - len(forced)]) | forced == set(chosen[h].tolist()), trial
 
 
 @pytest.mark.real
-def test_probe_ranking_end_to_end_on_the_real_model(dense_model_once, real_checkpoint, tmp_path):
+def test_probe_ranking_end_to_end_on_the_real_model(dense_model_once, real_checkpoint, run_script, tmp_path):
     """At a budget of every block the answer is always inside the selection; at any budget, what the
     heads rank into the budget and what the picks find is inside it (the locality theorem's part of
     the selection that is fixed before the rest is filled)."""
     import copy
 
-    import probe_ranking
-    from _suite_config import budget_config
-
     import nosa
+    from nosa.bench.longctx.config import budget_config
     from nosa.tiny import set_eviction_heads
 
     model = copy.deepcopy(dense_model_once)
@@ -260,9 +252,9 @@ def test_probe_ranking_end_to_end_on_the_real_model(dense_model_once, real_check
     set_eviction_heads(model, scale=0.5, std=0.3, seed=0, bias_std=0.3)
     model.save_pretrained(tmp_path / "ckpt")
     out = tmp_path / "probe.json"
-    assert probe_ranking.main(["--checkpoint", str(tmp_path / "ckpt"), "--tokenizer", real_checkpoint, "--length",
-                               "512", "--shares", "1", "2", "--examples", "1", "--tasks", "qa", "niah_multikey",
-                               "--out", str(out)]) == 0
+    assert run_script("probe_ranking.py", "--checkpoint", str(tmp_path / "ckpt"), "--tokenizer", real_checkpoint,
+                      "--length", "512", "--shares", "1", "2", "--examples", "1", "--tasks", "qa", "niah_multikey",
+                      "--out", str(out)) == 0
     rows = json.loads(out.read_text())["rows"]
     assert sorted((r["task"], r["share"]) for r in rows) == [("niah_multikey", 1), ("niah_multikey", 2),
                                                              ("qa", 1), ("qa", 2)]
@@ -272,4 +264,4 @@ def test_probe_ranking_end_to_end_on_the_real_model(dense_model_once, real_check
         if r["share"] == 1:
             assert r["covered"] == pytest.approx(1.0)
     with pytest.raises(SystemExit, match="no checkpoint"):
-        probe_ranking.main(["--checkpoint", str(tmp_path / "missing"), "--out", str(out)])
+        run_script("probe_ranking.py", "--checkpoint", str(tmp_path / "missing"), "--out", str(out))

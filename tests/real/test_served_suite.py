@@ -17,10 +17,9 @@ import pytest
 
 pytestmark = pytest.mark.real
 pytest.importorskip("sglang")
-from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
+from nosa.bench import tiny_checkpoint as tiny  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 LENGTH, SHARE, TASKS = 512, 4, ("passkey", "niah_single", "qa")
 PICKS = "15/64"  # the released split: 1 of the 4 blocks is a query-aware pick (the default 1/16 rounds to none)
 
@@ -31,9 +30,8 @@ def random_heads_checkpoint(dense_model_once, real_tokenizer, tmp_path_factory):
         pytest.skip(tiny.cpu_engine_missing())
     import copy
 
-    from _suite_config import budget_config, picks_share
-
     import nosa
+    from nosa.bench.longctx.config import budget_config, picks_share
     from nosa.tiny import set_eviction_heads
 
     model = copy.deepcopy(dense_model_once)
@@ -50,7 +48,7 @@ def test_served_replies_equal_the_hf_nosa_model(random_heads_checkpoint, real_to
     import torch
 
     import nosa
-    from nosa.serve.tools.suite_chat import suite_examples
+    from nosa.bench.longctx.chat import suite_examples
 
     out = tmp_path / "summary.json"
     cmd = [sys.executable, "scripts/serve_ask.py", "--suite", "--checkpoint", random_heads_checkpoint,

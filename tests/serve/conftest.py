@@ -24,7 +24,7 @@ def tiny_nosa_checkpoint(tmp_path_factory) -> str:
     """The tiny NOSA checkpoint served by the shared servers (tiny_checkpoint.make_checkpoint, seed 0)."""
     pytest.importorskip("sglang")
     import nosa
-    from nosa.serve.tools import tiny_checkpoint as tiny
+    from nosa.bench import tiny_checkpoint as tiny
 
     path = str(tmp_path_factory.mktemp("shared_ckpt") / "nosa")
     return tiny.make_checkpoint(path, nosa.NosaConfig.tiny(dense_len=64), seed=0, evict_scale=1.0)
@@ -38,9 +38,9 @@ def _common(context: int) -> list[str]:
 @pytest.fixture(scope="session")
 def shared_servers():
     """The session's shared servers, by name, as started; stopped together at the end of the session
-    (each exit waits for SGLang's SIGTERM check, see nosa.serve.tools.process.stop_all)."""
-    from nosa.serve.tools import tiny_checkpoint as tiny
-    from nosa.serve.tools.process import stop_all
+    (each exit waits for SGLang's SIGTERM check, see nosa.bench.server.process.stop_all)."""
+    from nosa.bench import tiny_checkpoint as tiny
+    from nosa.bench.server.process import stop_all
 
     if tiny.cpu_engine_missing():
         pytest.skip(tiny.cpu_engine_missing())
@@ -53,7 +53,7 @@ def shared_servers():
 
 @pytest.fixture(scope="session")
 def nosa_server(shared_servers, tiny_nosa_checkpoint, tmp_path_factory):
-    from nosa.serve.tools.process import ServerProcess
+    from nosa.bench.server.process import ServerProcess
 
     logs = tmp_path_factory.mktemp("nosa_server")
     stats = str(logs / "stats.json")
@@ -67,7 +67,7 @@ def nosa_server(shared_servers, tiny_nosa_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def native_server(shared_servers, tiny_nosa_checkpoint, tmp_path_factory):
-    from nosa.serve.tools.process import ServerProcess
+    from nosa.bench.server.process import ServerProcess
 
     log = str(tmp_path_factory.mktemp("native_server") / "server.log")
     server = ServerProcess(tiny_nosa_checkpoint, ["--attention-backend", "torch_native", "--disable-radix-cache",

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import nosa
+from nosa.bench import tiny_checkpoint as tiny
 from nosa.serve.checkpoint import load_eviction_heads, load_nosa_config
 from nosa.serve.parallel import KVHeadShard
-from nosa.serve.tools import tiny_checkpoint as tiny
 
 CFG = nosa.NosaConfig.tiny(dense_len=64)
 

@@ -12,8 +12,8 @@ import logging
 import pytest
 
 pytest.importorskip("sglang")
+from nosa.bench import tiny_checkpoint as tiny  # noqa: E402
 from nosa.serve import cuda_graphs, plugin  # noqa: E402
-from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
 
 
 @pytest.fixture(scope="module")

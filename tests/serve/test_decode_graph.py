@@ -1,5 +1,5 @@
 """The serving decode step on fixed shapes (nosa.serve.decode_runner), through the harness that builds
-it over SGLang-like pools (nosa.serve.tools.decode_harness), offloading off and on:
+it over SGLang-like pools (nosa.bench.decode_harness), offloading off and on:
 
 - equal to the spec (NosaDecodeState + decode_attend on each request's whole context) step after
   step, the first step catching up on the prompt, contexts crossing window and block boundaries;
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from nosa import NosaConfig, NosaDecodeState
+from nosa.bench.decode_harness import DecodeHarness
 from nosa.decode import decode_attend
 from nosa.kv import ContiguousKV
-from nosa.serve.tools.decode_harness import DecodeHarness
 
 CFG = NosaConfig(block_size=16, compress_kernel=8, compress_stride=4, sink_blocks=1, window_blocks=3, topk_blocks=8,
                  query_blocks=3, dense_len=64)  # requests at 40 tokens attend densely, past 64 sparsely

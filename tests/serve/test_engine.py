@@ -11,7 +11,7 @@ import sys
 import pytest
 
 pytest.importorskip("sglang")
-from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
+from nosa.bench import tiny_checkpoint as tiny  # noqa: E402
 
 _MISSING = tiny.cpu_engine_missing()
 if _MISSING:

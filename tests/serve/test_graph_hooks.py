@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("sglang")
 import nosa  # noqa: E402
-from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
+from nosa.bench import tiny_checkpoint as tiny  # noqa: E402
 
 CFG = nosa.NosaConfig.tiny(dense_len=64)
 HKV, D, HQ, LAYERS = 2, 32, 4, 2

@@ -22,14 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 pytest.importorskip("sglang")
-from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
+from nosa.bench import tiny_checkpoint as tiny  # noqa: E402
 
 _MISSING = tiny.cpu_engine_missing()
 if _MISSING:
     pytest.skip(_MISSING, allow_module_level=True)
 
 import nosa  # noqa: E402
-from nosa.serve.tools.process import ServerProcess, cpu_binding, stop_all  # noqa: E402
+from nosa.bench.server.process import ServerProcess, cpu_binding, stop_all  # noqa: E402
 
 CFG = nosa.NosaConfig.tiny(dense_len=64)  # budget 8 blocks x 16 tokens = 128 tokens per request
 COMMON = ["--skip-server-warmup", "--sleep-on-idle", "--dtype", "float32", "--mem-fraction-static", "0.3",

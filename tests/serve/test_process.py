@@ -1,4 +1,4 @@
-"""nosa.serve.tools.process.ServerProcess's signals on a stand-in process group (no SGLang): pause
+"""nosa.bench.server.process.ServerProcess's signals on a stand-in process group (no SGLang): pause
 stops every process of the group, resume continues them, and a paused server still stops."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 
-from nosa.serve.tools.process import ServerProcess
+from nosa.bench.server.process import ServerProcess
 
 
 def _state(pid: int) -> str:

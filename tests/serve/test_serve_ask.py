@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("sglang")
 pytest.importorskip("deepspeed")
-from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
+from nosa.bench import tiny_checkpoint as tiny  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")

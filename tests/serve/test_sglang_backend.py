@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 pytest.importorskip("sglang")
-from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
+from nosa.bench import tiny_checkpoint as tiny  # noqa: E402
 
 _MISSING = tiny.cpu_engine_missing()
 if _MISSING:
@@ -34,7 +34,7 @@ if _MISSING:
 import torch  # noqa: E402
 
 import nosa  # noqa: E402
-from nosa.serve.tools.process import ServerProcess, stop_all  # noqa: E402
+from nosa.bench.server.process import ServerProcess, stop_all  # noqa: E402
 
 NOSA_CFG = nosa.NosaConfig.tiny(dense_len=64)  # budget 8 blocks x 16 tokens = 128 tokens
 CONTEXT_LEN = 1024  # of this module's own servers

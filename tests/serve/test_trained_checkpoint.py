@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("sglang")
 pytest.importorskip("deepspeed")
 pytest.importorskip("datasets")
-from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
+from nosa.bench import tiny_checkpoint as tiny  # noqa: E402
 
 _MISSING = tiny.cpu_engine_missing()
 if _MISSING:
@@ -27,10 +27,10 @@ if _MISSING:
 import torch  # noqa: E402
 
 import nosa  # noqa: E402
-from nosa.serve.tools.process import ServerProcess  # noqa: E402
+from nosa.bench.server.process import ServerProcess  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHORT = ["dense_steps=2", "curriculum=[]", "steps=2", "distill_rows=8", "distill_steps=2", "eval_every=0",
+SHORT = ["dense_steps=2", "curriculum=[]", "steps=2", "distill.rows=8", "distill.steps=2", "eval_every=0",
          "eval_examples=2", "data.synthetic.train_examples=32", "data.synthetic.heldout_examples=4",
          "wandb.mode=disabled", "progress=false"]
 NEW = 8

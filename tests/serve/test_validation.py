@@ -16,8 +16,8 @@ import types
 import pytest
 
 pytest.importorskip("sglang")
+from nosa.bench import tiny_checkpoint as tiny  # noqa: E402
 from nosa.serve import validate  # noqa: E402
-from nosa.serve.tools import tiny_checkpoint as tiny  # noqa: E402
 
 PROBE = tiny.prompt_ids(40, 3)
 SP = {"max_new_tokens": 4}

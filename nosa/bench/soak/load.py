@@ -8,7 +8,7 @@ import random
 import threading
 import time
 
-from _soak_client import Client, greedy
+from nosa.bench.soak.client import Client, greedy
 
 
 class Load:

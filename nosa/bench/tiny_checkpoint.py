@@ -4,7 +4,7 @@ Built locally, no downloads: ``make_checkpoint(dir, nosa_config)`` writes config
 and a tokenizer (``make_tokenizer``) that SGLang and transformers both load. With them: random
 prompts (``prompt_ids``), the HF model's greedy tokens that a server must reproduce
 (``hf_greedy``) and whether SGLang's CPU engine can run here (``cpu_engine_missing``).
-tests/serve and scripts/bench_serve.py, scripts/soak.py import this module.
+tests/serve and scripts/bench_serve.py, scripts/bench_offload.py, scripts/soak.py use this module.
 """
 
 from __future__ import annotations
@@ -13,6 +13,12 @@ import json
 import os
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import nosa
+from nosa.tiny import set_eviction_heads, tiny_llama
+from nosa.train.tokenizer import CHAT_TEMPLATE, add_bos
 
 VOCAB = 320  # 256 bytes + specials, padded
 HIDDEN = 128
@@ -22,7 +28,7 @@ def cpu_engine_missing() -> str | None:
     """Why SGLang's CPU engine cannot run here, or None. It imports *_cpu helpers from sgl_kernel
     (scripts/install_sglang_cpu.sh); the serving tests skip with this message."""
     try:
-        import sgl_kernel
+        import sgl_kernel  # optional: sgl_kernel (SGLang's, or the CPU stand-in)
     except Exception as err:  # a CUDA build without libcuda raises OSError/ImportError
         return f"sgl_kernel is not importable ({err}); run scripts/install_sglang_cpu.sh"
     if not hasattr(sgl_kernel, "assign_req_to_token_pool_cpu"):
@@ -33,11 +39,6 @@ def cpu_engine_missing() -> str | None:
 def make_tokenizer(path: str) -> None:
     """Byte-level, ids 0-255 are bytes, <s> = 256 (added in front of encoded text, as Llama's
     tokenizer does), </s> = 257; the trainer's chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from nosa.train.tokenizer import CHAT_TEMPLATE, add_bos
-
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
     vocab["<s>"] = len(vocab)
@@ -55,9 +56,6 @@ def make_checkpoint(path: str, nosa_config=None, seed: int = 0, evict_scale: flo
     """A 2-layer Llama (hidden 128, 4 query heads over ``kv_heads`` KV heads, head_dim 32). With
     ``nosa_config`` the model is converted by nosa.convert and its eviction heads get random weights
     and A = ``evict_scale``, so the checkpoint carries a ``nosa`` section and non-zero eviction heads."""
-    import nosa
-    from nosa.tiny import set_eviction_heads, tiny_llama
-
     # larger weights (init_std) so greedy ties are unlikely
     model = tiny_llama(layers=2, hidden=HIDDEN, heads=4, kv_heads=kv_heads, vocab=VOCAB, seed=seed, intermediate=256,
                        max_positions=4096, rope_theta=10000.0, bos_token_id=256, eos_token_id=257,
@@ -73,6 +71,20 @@ def make_checkpoint(path: str, nosa_config=None, seed: int = 0, evict_scale: flo
     if nosa_config is not None:
         assert "nosa" in saved, "nosa.convert should store the config under 'nosa'"
     return path
+
+
+def make_bench_checkpoint(path: str, evict_scale: float = 0.0) -> None:
+    """The benchmarks' tiny Llama (scripts/bench_serve.py, scripts/bench_offload.py: 2 layers, hidden
+    256, GQA 8/2, 128K positions, random weights) at ``path``, a dense checkpoint; with
+    ``evict_scale`` > 0 a NOSA checkpoint (default NosaConfig, random eviction heads of scale
+    ``evict_scale``)."""
+    model = tiny_llama(layers=2, hidden=256, heads=8, kv_heads=2, vocab=320, seed=0, intermediate=512,
+                       max_positions=131072, bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
+    if evict_scale > 0:
+        nosa.convert(model, nosa.NosaConfig())
+        set_eviction_heads(model, scale=evict_scale, std=0.3, seed=0, bias_std=0.3)
+    model.save_pretrained(path)
+    make_tokenizer(path)
 
 
 @torch.no_grad()

@@ -9,11 +9,13 @@ import os
 import random
 import statistics
 import time
+import timeit
 from concurrent.futures import ThreadPoolExecutor
 
-from _soak_client import Client, greedy
+from nosa.bench import REPO
+from nosa.bench.soak.client import Client, greedy
+from nosa.serve.validate import validate_prompt
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BURST = 100  # one-token requests sent at once
 
 
@@ -63,7 +65,7 @@ def check_malformed(client: Client, bad: list, vocab: int, failures: list) -> di
             failures.append(f"malformed '{name}': HTTP {status} (want {want}): {text[:300]}")
         elif want == 400 and "message" not in text:
             failures.append(f"malformed '{name}': 400 without a message: {text[:300]}")
-        elif ROOT in text or "site-packages" in text:
+        elif REPO in text or "site-packages" in text:
             failures.append(f"malformed '{name}': the 400 body shows a server path: {text[:300]}")
     # Streaming answers 200 before the prompt is checked; the error comes as an event.
     status, _, last = client.stream("/generate", {"input_ids": [vocab], "stream": True})
@@ -129,7 +131,7 @@ def idle_counters(stats_path: str | None, failures: list, timeout: float = 60.0)
 
 
 def tree_rss_mb(pid: int) -> float:
-    import psutil
+    import psutil  # optional: psutil (SGLang brings it)
 
     try:
         proc = psutil.Process(pid)
@@ -147,10 +149,6 @@ def tree_rss_mb(pid: int) -> float:
 
 def validation_cost_us(length: int, vocab: int) -> float:
     """Median time of nosa.serve.validate.validate_prompt on a ``length``-token prompt, here."""
-    import timeit
-
-    from nosa.serve.validate import validate_prompt
-
     ids = [random.randrange(vocab) for _ in range(length)]
     runs = [timeit.timeit(lambda: validate_prompt(ids, vocab), number=200) / 200 for _ in range(5)]
     return round(statistics.median(runs) * 1e6, 1)

@@ -11,7 +11,17 @@ import os
 from dataclasses import dataclass
 from fractions import Fraction
 
-from _suite_config import PICKS, budget_config
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import nosa
+from nosa import nosa_prefill
+from nosa.bench.longctx.config import PICKS, budget_config
+from nosa.eviction import MODULE_NAME
+from nosa.hf import capture_attention_inputs
+from nosa.select import blocks_entering
+from nosa.train.metrics import selection_mass
 
 PPL_TAIL = 1024  # perplexity: tokens scored at the end of each window (half the window if shorter)
 
@@ -30,8 +40,6 @@ class Variant:
 
     def prepare(self, length: int):
         """Set the model's attention for this variant at ``length``; returns its NosaConfig (None: dense)."""
-        import nosa
-
         cfg = self.config(length)
         if cfg is None:
             self.model.set_attn_implementation("sdpa")
@@ -53,8 +61,6 @@ def file_digest(folder: str) -> str:
 
 def same_base(a, b) -> bool:
     """Whether two models have equal weights apart from the eviction heads."""
-    from nosa.eviction import MODULE_NAME
-
     sa = {k: v for k, v in a.state_dict().items() if f".{MODULE_NAME}." not in k}
     sb = {k: v for k, v in b.state_dict().items() if f".{MODULE_NAME}." not in k}
     return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape and sa[k].equal(sb[k]) for k in sa)
@@ -84,8 +90,6 @@ class DenseCache:
 
 def context_kv(model, ids):
     """Dense prefill of ids [T] with ``model``: per-layer (keys, values) of its KV cache."""
-    import torch
-
     with torch.no_grad():
         out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
     return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
@@ -93,8 +97,6 @@ def context_kv(model, ids):
 
 def cache_from(model, kv):
     """A new transformers DynamicCache holding ``kv`` (None: empty); ``kv`` stays untouched."""
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=model.config)
     for i, (k, v) in enumerate(kv or []):
         cache.update(k, v, i)
@@ -106,10 +108,6 @@ def run_variant(variant: Variant, length: int, ex, kv, eos: int, settled) -> dic
     prefill the whole prompt), and the selection statistics of its decode steps (sparse variants).
     Decoding stops at ``eos``, after ``ex.max_new_tokens`` tokens, or once ``settled(tokens)``
     (the reply is right whatever follows: more tokens cannot change its score)."""
-    import torch
-
-    from nosa.hf import capture_attention_inputs
-
     cfg = variant.prepare(length)
     start = ex.context_end if kv is not None else 0
     cache = cache_from(variant.model, kv)
@@ -136,13 +134,6 @@ def decode_selection_stats(model, rows: dict, final: dict, cfg) -> dict:
     """Sums over layers and KV heads for the decode rows q (one per step) of each layer: blocks
     entering between consecutive steps, step transitions, blocks selected after the first step,
     the largest entry count, and the dense mass inside the selection (sum over layers)."""
-    import torch
-
-    from nosa import nosa_prefill
-    from nosa.eviction import MODULE_NAME
-    from nosa.select import blocks_entering
-    from nosa.train.metrics import selection_mass
-
     stats = {"entering": 0, "transitions": 0, "selected": 0, "entering_max": 0, "mass": 0.0, "layers": 0}
     for name, qs in rows.items():
         q = torch.cat(qs)  # [n, Hq, D]: rows at positions L - n .. L - 1 of the final cache
@@ -166,9 +157,6 @@ def perplexity_nll(variant: Variant, length: int, window, tail: int, kv) -> floa
     """Mean next-token loss over the last ``tail`` tokens of ``window`` [length]; the first
     ``length - tail - 1`` tokens come from ``kv`` (dense prefill) or, with kv None, from the
     variant's own prefill."""
-    import torch
-    import torch.nn.functional as F
-
     variant.prepare(length)
     start = length - tail - 1 if kv is not None else 0
     with torch.no_grad():

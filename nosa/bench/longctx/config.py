@@ -1,12 +1,13 @@
 """The long-context suite's NosaConfig (scripts/bench_longctx.py; served by scripts/serve_ask.py --suite
 and scripts/bench_serve.py --share): blocks of 32 tokens, a budget of 1/share of the context's blocks,
-split into 1 sink block, a window, free query-aware picks and the blocks ranked by the eviction heads.
-Nothing here imports torch or changes the environment, so the serving scripts can parse --picks with it."""
+split into 1 sink block, a window, free query-aware picks and the blocks ranked by the eviction heads."""
 
 from __future__ import annotations
 
 import argparse
 from fractions import Fraction
+
+from nosa.config import NosaConfig
 
 BLOCK = 32  # tokens per block: 8K = 256 blocks
 RELEASED = (64, 17, 15)  # the released NOSA budget, window and picks, in blocks
@@ -23,8 +24,6 @@ def budget_config(length: int, share: int, picks: Fraction = PICKS):
     2 blocks, so compressed windows end inside it), ``picks`` of the budget as free query-aware picks
     (rounded half up), the rest ranked by the eviction heads. 8K at 1/4: 64 = 1 + 17 + 4 + 42; with
     ``picks=RELEASED_PICKS`` the released structure, 64 = 1 + 17 + 15 + 31."""
-    from nosa.config import NosaConfig
-
     budget = length // BLOCK // share
     window = max(2, int(budget * RELEASED[1] / RELEASED[0] + 0.5))
     return NosaConfig(block_size=BLOCK, compress_kernel=BLOCK, compress_stride=BLOCK // 2, sink_blocks=1,

@@ -1,11 +1,14 @@
-"""What scripts/bench_offload.py reads from a server's stats file ($NOSA_SERVE_STATS_FILE): the
-offloading counters (hit rate, recalled blocks) and the per-step timeline (nosa.serve.offload.stats),
-polled while a part runs and summed into stall share and prefetch hit rates."""
+"""What the benchmarks read from a server's stats file ($NOSA_SERVE_STATS_FILE): the offloading
+counters (hit rate, recalled blocks: ``offload_counters`` for scripts/bench_offload.py, ``counters``
+for scripts/serve_ask.py and scripts/bench_serve.py) and the per-step timeline
+(nosa.serve.offload.stats), polled while a part runs and summed into stall share and prefetch hit
+rates."""
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 
 
 def offload_counters(stats_file: str) -> dict:
@@ -31,8 +34,6 @@ class TimelineRecorder:
     steps and is rewritten at most once a second, so it is polled and the records merged by step."""
 
     def __init__(self, stats_file: str, since: float, every: float = 0.5):
-        import threading
-
         self.stats_file, self.since, self.every = stats_file, since, every
         self.records: dict[int, dict] = {}
         self._stop = threading.Event()
@@ -78,3 +79,25 @@ def summarize_timeline(records: list[dict], batch: int | None = None) -> dict:
                                             for p, m in zip(tot["prefetch_hits"], tot["misses"])],
             "prefetch_precision_per_layer": [round(h / max(p, 1), 4)
                                              for h, p in zip(tot["prefetch_hits"], tot["prefetched"])]}
+
+
+def counters(stats_file: str) -> dict:
+    """Hit rate, recalled bytes and peak device slots from the server's stats file."""
+    with open(stats_file) as f:
+        stats = json.load(f)
+    off = stats["offload"]
+    selected, hits = sum(off["selected"]), sum(off["hits"])
+    warm_selected, warm_hits = sum(off["warm_selected"]), sum(off["warm_hits"])
+    steps = stats.get("timeline", [])
+    return {
+        "decode_layer_steps": sum(off["steps"]), "selected_items": selected, "hit_items": hits,
+        "warm_selected_items": warm_selected, "warm_hit_items": warm_hits,
+        "hit_rate": hits / selected if selected else None,
+        "warm_hit_rate": warm_hits / warm_selected if warm_selected else None,
+        "recalled_items": sum(off["misses"]), "recalled_bytes": sum(off["recalled_bytes"]),
+        "prefetched_items": sum(off["prefetched"]), "max_warm_misses": max(off["max_warm_misses"]),
+        "peak_device_slots": stats.get("peak_device_slots", max((r["resident_slots"] for r in steps), default=0)),
+        "peak_batch": max((r["batch"] for r in steps), default=0),
+        "device_slots_in_use_after": stats["device_slots_in_use"], "requests_after": stats["requests"],
+        "admission": (stats.get("admission") or {}).get("decisions"),
+    }

@@ -1,4 +1,5 @@
-"""Results of scripts/bench_longctx.py: per-variant summaries (JSON), markdown tables and the plot."""
+"""The long-context suite's report (scripts/bench_longctx.py): per-variant summaries, reports merged,
+the issue's targets, markdown tables, the plot, and the report written."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 import os
 
 from nosa import models
+from nosa.bench.results import write_result
 
 
 def wilson(right: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -258,10 +260,10 @@ def tables(report: dict) -> str:
 def plot(report: dict, path: str) -> None:
     """Three panels per length: accuracy over all tasks (Wilson 95% whiskers), blocks entering per
     decode step, and the hit rate of a device cache of exactly the budget."""
-    import matplotlib
+    import matplotlib  # optional: matplotlib (the train extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: matplotlib
 
     results = report["results"]
     names = list(dict.fromkeys(r["variant"] for r in results))
@@ -295,3 +297,14 @@ def plot(report: dict, path: str) -> None:
     fig.tight_layout(rect=(0, 0.06 * rows, 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
+
+
+def write_report(report: dict, out: str, png: str | None) -> int:
+    """Write the JSON (``write_result``), print the tables, draw the plot; returns 0."""
+    write_result(out, report)
+    print(tables(report))
+    print(f"\nwrote {out} ({report['seconds'] / 60:.1f} min)")
+    if png:
+        plot(report, png)
+        print(f"wrote {png}")
+    return 0

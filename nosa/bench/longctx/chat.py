@@ -13,14 +13,17 @@ the suite (scripts/bench_longctx.py) and the HF model see.
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
+
+from nosa.chat import chat_ids, chat_text
+from nosa.config import CONFIG_KEY
+from nosa.train import prose, ruler
 
 
 def suite_examples(tokenizer, tasks, length: int, per_task: int, seed: int = 0) -> list:
     """``per_task`` examples of each task at ``length`` tokens over the held-out prose: the same
     examples as ``scripts/bench_longctx.py --seed`` (default 0) for that length."""
-    from nosa.train import prose, ruler
-
     _, heldout = prose.split(prose.documents(prose.FIXED_SOURCES))
     haystack = ruler.Haystack(tokenizer, [d.text for d in heldout])
     return [ex for task in tasks for ex in ruler.make_examples(tokenizer, haystack, task, length, per_task, seed)]
@@ -31,8 +34,6 @@ def chat_messages(tokenizer, prompt_ids) -> list[dict]:
 
     Raises ValueError when the ids are not one user turn of the tokenizer's template plus a prefix,
     or when the two texts tokenise to other ids than these."""
-    from nosa.chat import chat_ids, chat_text
-
     marker = "\x00MESSAGE\x00"  # text no prompt holds: splits the rendered template around the message
     head, _, tail = chat_text(tokenizer, marker).partition(marker)
     text = tokenizer.decode(list(prompt_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -54,7 +55,7 @@ def ask_chat(url: str, model: str, messages: list[dict], max_tokens: int) -> dic
     when SGLang brought it, else plain HTTP (the same request)."""
     extra = {"continue_final_message": True}
     try:
-        from openai import OpenAI
+        from openai import OpenAI  # optional: openai (SGLang brings it; else plain HTTP)
     except ImportError:
         body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                            **extra}).encode()
@@ -77,11 +78,7 @@ def suite_view(checkpoint: str, config, out_dir: str) -> str:
     """A checkpoint directory that serves ``checkpoint`` (its weights and eviction heads) at another
     NosaConfig: every file linked, config.json rewritten with ``config`` as its "nosa" section. The
     suite runs each checkpoint at its own budget for the length (``budget_config`` in
-    scripts/_suite_config.py), and the eviction heads do not depend on the budget. Returns ``out_dir``."""
-    import os
-
-    from nosa.config import CONFIG_KEY
-
+    nosa.bench.longctx.config), and the eviction heads do not depend on the budget. Returns ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     source = os.path.abspath(checkpoint)
     for name in os.listdir(source):

@@ -1,20 +1,13 @@
 """The serving backend's decode step over plain tensors laid out as SGLang lays out its pools, without
-SGLang: for the compile test (tests/serve/test_decode_graph.py) and the GPU check's capture and
-replay (scripts/gpu_check.sh -> scripts/graph_check.py).
+SGLang: for the compile test (tests/serve/test_decode_graph.py), the GPU check's capture and replay
+(scripts/graph_check.py) and scripts/bench_resolve.py.
 
-``DecodeHarness(cfg, lengths, offload=...)`` builds what the nosa backend builds at start-up
-(nosa.serve.backend): a token-slot KV pool (offloading off: K, V [slots, Hkv, D] per layer and the
-cis beside it; on: the page-major host pool and the device block cache of the offloading engine),
-``req_to_token`` with each request's slots (shuffled, so reads go through the table), eviction
-heads with A != 0, the request registry and its StatePool, and the
-nosa.serve.decode_runner.DecodeRunner itself. Then per step, as the backend and SGLang do:
-
-- ``begin(rows)``: host half (the backend's init_forward_metadata_out_graph): the batch's rows
-  (0 = padding) with their lengths, states caught up (the first step catches up on the prompt);
-- ``forward(q, k, v)``: device half (init_forward_metadata_in_graph, then forward_decode of every
-  layer: the new tokens written into the KV pool, select -> resolve -> attend): q [R, L, Hq, D],
-  k, v [R, L, Hkv, D] -> out [R, L, Hq, D]. This is what a graph captures;
-- ``new_tokens(step)``: the step's inputs, the same for the same seed and step.
+``DecodeHarness(cfg, lengths, offload=...)`` builds what the nosa backend builds at start-up: a
+token-slot KV pool (offloading on: the page-major host pool and the device block cache), shuffled
+``req_to_token`` rows, eviction heads with A != 0, the request registry, its StatePool and the
+DecodeRunner. Per step: ``begin(rows)`` (the host half), ``forward(q, k, v)`` (the device half, what
+a graph captures: q [R, L, Hq, D], k, v [R, L, Hkv, D] -> out [R, L, Hq, D]), ``new_tokens(step)``
+(the step's inputs, the same for the same seed and step).
 """
 
 from __future__ import annotations
@@ -27,6 +20,8 @@ from nosa.config import NosaConfig
 from nosa.eviction import EvictionHead
 from nosa.serve.decode_runner import DecodeRunner, PoolResolver
 from nosa.serve.metadata import ForwardMetadata
+from nosa.serve.offload.block_cache import DeviceBlockCache
+from nosa.serve.offload.engine import OffloadEngine
 from nosa.serve.offload.kv import TokenRowMemo, write_token_rows
 from nosa.serve.registry import RequestRegistry
 from nosa.state_pool import StatePool, pages_for
@@ -95,9 +90,6 @@ class DecodeHarness:
                                                  key_tails=offload))
         self.states = registry
         if offload:
-            from nosa.serve.offload.block_cache import DeviceBlockCache
-            from nosa.serve.offload.engine import OffloadEngine
-
             def host(x):  # [slots, Hkv, ...] -> page-major [P, Hkv, B, ...]
                 x = x.view(-1, block, *x.shape[1:]).transpose(1, 2).contiguous()
                 return x.pin_memory() if self.device.type == "cuda" else x

@@ -8,10 +8,16 @@ import json
 import os
 import shutil
 
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from nosa.bench.server.process import ServerProcess
+from nosa.config import NosaConfig
+from nosa.train.synthetic import make_example
+
 
 def start_server(ckpt, args, log, env=None, threads=None):
-    from nosa.serve.tools.process import ServerProcess
-
     env = dict(env or {})
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -28,9 +34,6 @@ def offload_env(host, device, stats):
 
 def zero_heads_copy(ckpt: str, dest: str) -> str:
     """The checkpoint with every eviction head's A set to 0 (training-free selection)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     shutil.copytree(ckpt, dest)
     for name in os.listdir(dest):
         if name.endswith(".safetensors"):
@@ -44,10 +47,6 @@ def zero_heads_copy(ckpt: str, dest: str) -> str:
 
 def task_prompts(ckpt: str, length: int, count: int, seed: int) -> list[list[int]]:
     """Synthetic examples of the run's own tasks (nosa_train.json) at ``length`` tokens, up to the answer."""
-    from transformers import AutoTokenizer
-
-    from nosa.train.synthetic import make_example
-
     tok = AutoTokenizer.from_pretrained(ckpt)
     run = os.path.join(ckpt, "nosa_train.json")
     tasks = ["passkey", "mqar"]
@@ -65,8 +64,6 @@ def decode_setup(args):
     """Contexts of the decode parts, and mode -> (server flags, environment) for their servers:
     "off" (KV in SGLang's pool), "on" (offloaded, a device budget of ``batch`` requests), "scheduled"
     (offloaded, with the recall scheduler)."""
-    from nosa.config import NosaConfig
-
     cfg = NosaConfig()
     contexts = [8192] if args.quick else args.contexts
     max_ctx = max(contexts) + args.decode_tokens + 16

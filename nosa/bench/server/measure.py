@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -49,24 +50,18 @@ def minor_faults(pid: int) -> int:
 
 def measure(server, prompts: list[list[int]], new_tokens: int, warm_up: bool = False,
             cpu_pid: int | None = None, flush: bool = True) -> dict | None:
-    """One batch of concurrent greedy requests, one per prompt, streamed.
+    """One batch of concurrent greedy requests, one per prompt, streamed; None with ``warm_up``.
 
     Prefill: until every request has its first token (``prefill_s``; with ``cpu_pid``, the server's
-    scheduler process, also its CPU seconds over that time, ``prefill_cpu_s``: less sensitive than
-    wall time to other load on a shared machine). Decode: the intervals between streamed tokens
-    once every request is decoding (the whole batch in each step), per token; the median over all
-    requests and steps is the step time (robust to a noisy machine), the mean is reported too, and
-    ``ms_per_decode_step_window``, the median over requests of each one's mean step over its window
-    (robust to a stream delivered in bursts, where the median interval reads near 0); with
-    ``cpu_pid`` also the scheduler's CPU milliseconds per decode step (``cpu_ms_per_decode_step``:
-    its CPU time from the last first token to the last token over ``new_tokens - 1`` steps; what the
-    step costs the CPU, whatever else the machine runs) and its minor page faults per decode step
-    (``minor_faults_per_decode_step``: fresh or given-back memory touched).
-    Nothing here depends on the prefix cache or on work done before the first token: the cache is
+    scheduler process, also its CPU seconds then, ``prefill_cpu_s``, less sensitive than wall time
+    to other load). Decode: the intervals between streamed tokens once the whole batch decodes, per
+    token; their median is the step time (robust to a noisy machine), their mean is reported too,
+    and ``ms_per_decode_step_window`` is the median over requests of each one's mean step over its
+    window (robust to a stream delivered in bursts). With ``cpu_pid`` also the scheduler's CPU ms
+    (``cpu_ms_per_decode_step``, over the ``new_tokens - 1`` steps after the last first token) and
+    minor page faults (``minor_faults_per_decode_step``) per decode step. The prefix cache is
     flushed first (``flush=False`` keeps it: a prompt served before is then a cache hit, and
     ``prefill_s`` the time to rebuild the request's state from the cached KV)."""
-    import statistics
-
     if flush:
         server.post("/flush_cache", {})
     batch = len(prompts)

@@ -1,0 +1,144 @@
+"""The long-context suite's run (scripts/bench_longctx.py): its variants loaded, every example
+answered by every variant (dense replies cached), and perplexity on held-out windows."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import nosa
+from nosa.bench.longctx.config import PICKS
+from nosa.bench.longctx.summary import summarise
+from nosa.bench.longctx.variant import (
+    PPL_TAIL,
+    DenseCache,
+    Variant,
+    context_kv,
+    file_digest,
+    perplexity_nll,
+    run_variant,
+    same_base,
+)
+from nosa.train import prose, ruler
+
+
+def load_variants(args):
+    """(variants, tokenizer, dense model digest)."""
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise SystemExit(f"bench_longctx: no checkpoint at {args.model!r}; write it with "
+                         f"`python -m nosa.models smollm2 --out {args.model}`")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    dense = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
+    variants = [Variant("dense", dense, None, "dense")]
+    variants += [Variant(f"A = 0, 1/{s}", dense, s, "dense") for s in args.shares if args.a0]
+    for spec in args.nosa or []:
+        label, _, path = spec.rpartition("=")
+        label = label or os.path.basename(os.path.normpath(path))
+        model = nosa.from_pretrained(path).eval()
+        base = "dense" if same_base(model, dense) else label
+        variants += [Variant(f"{label}, 1/{s}" + (f", picks {p}" if args.picks != [PICKS] else ""), model, s, base, p)
+                     for s in args.shares for p in args.picks]
+    return variants, tokenizer, file_digest(args.model)
+
+
+def run(args, counts: dict[int, int]) -> dict:
+    """The report (``summarise``) of every variant on ``counts[length]`` examples per task at each
+    length, ``args`` as scripts/bench_longctx.py parses them."""
+    from tqdm import tqdm  # optional: tqdm (the train extra)
+
+    torch.manual_seed(0)
+    t_start = time.perf_counter()
+    variants, tokenizer, digest = load_variants(args)
+    cache = DenseCache(args.cache or None, digest)
+    _, heldout = prose.split(prose.documents(prose.FIXED_SOURCES))
+    haystack = ruler.Haystack(tokenizer, [d.text for d in heldout])
+    examples = [ex for length, n in counts.items() for task in args.tasks
+                for ex in ruler.make_examples(tokenizer, haystack, task, length, n, args.seed)]
+    bases = {}  # base -> the model that prefills its contexts densely (the first variant's)
+    for v in variants:
+        bases.setdefault(v.base, v.model)
+    records, seconds = [], {}
+    bar = tqdm(examples, desc="examples", unit="ex", dynamic_ncols=True)
+    for ex in bar:
+        record = {"task": ex.task, "length": ex.length, "index": ex.index, "digest": ex.digest(),
+                  "references": list(ex.references), "depths": list(ex.depths), "prompt_tokens": len(ex.prompt_ids),
+                  "reply": {}, "right": {}, "select": {}}
+        kvs = {}
+        for variant in variants:
+            key = f"reply:{ex.digest()}"
+            if variant.share is None and cache.get(key):
+                hit = cache.get(key)
+                record["reply"][variant.name], record["right"][variant.name] = hit["reply"], hit["right"]
+                continue
+            t0 = time.perf_counter()
+            kv = None
+            if args.prefill == "dense":
+                if variant.base not in kvs:
+                    bases[variant.base].set_attn_implementation("sdpa")
+                    kvs[variant.base] = context_kv(bases[variant.base], torch.tensor(ex.prompt_ids[: ex.context_end]))
+                    seconds[("context prefill", ex.length)] = (seconds.get(("context prefill", ex.length), 0)
+                                                               + time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                kv = kvs[variant.base]
+            out = run_variant(variant, ex.length, ex, kv, tokenizer.eos_token_id, lambda tokens: ruler.is_settled(
+                tokenizer.decode(tokens, skip_special_tokens=True), ex.references))
+            reply = tokenizer.decode(out["tokens"], skip_special_tokens=True)
+            right = ruler.is_right(reply, ex.references)
+            record["reply"][variant.name], record["right"][variant.name] = reply, right
+            if "select" in out:
+                record["select"][variant.name] = out["select"]
+            if variant.share is None:
+                cache.put(key, {"reply": reply, "right": right})
+            seconds[(variant.name, ex.length)] = seconds.get((variant.name, ex.length), 0) + time.perf_counter() - t0
+        records.append(record)
+        bar.set_postfix_str(" ".join(f"{v.name.replace(' ', '')}={sum(r['right'].get(v.name, 0) for r in records)}"
+                                     for v in variants[:3]))
+    perplexity = measure_perplexity(args, variants, tokenizer, heldout, cache, bases)
+    return summarise(args, counts, variants, records, perplexity, seconds,
+                     env={"torch": torch.__version__, "python": platform.python_version(),
+                          "cpus": os.cpu_count(), "threads": torch.get_num_threads()},
+                     seconds_total=time.perf_counter() - t_start)
+
+
+def measure_perplexity(args, variants, tokenizer, heldout, cache, bases) -> list[dict]:
+    """Per variant: mean loss over the last PPL_TAIL tokens (at most half a window) of ``--ppl-windows``
+    consecutive held-out windows of the longest length (BOS, then the prose)."""
+    from tqdm import tqdm  # optional: tqdm (the train extra)
+
+    if args.ppl_windows == 0:
+        return []
+    length = max(args.lengths)
+    tail = min(PPL_TAIL, length // 2)
+    stream = tokenizer("\n\n".join(d.text for d in heldout), add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    step = length - len(bos)
+    if args.ppl_windows * step > len(stream):
+        raise SystemExit(f"bench_longctx: the held-out prose has {len(stream)} tokens, fewer than "
+                         f"{args.ppl_windows} windows of {length}")
+    nll = {v.name: [] for v in variants}
+    for w in tqdm(range(args.ppl_windows), desc=f"perplexity at {length}", unit="window", dynamic_ncols=True):
+        window = torch.tensor(bos + stream[w * step : (w + 1) * step])
+        key = f"ppl{tail}:" + hashlib.sha256(str(window.tolist()).encode()).hexdigest()
+        kvs = {}
+        for variant in variants:
+            if variant.share is None and cache.get(key) is not None:
+                nll[variant.name].append(cache.get(key))
+                continue
+            kv = None
+            if args.prefill == "dense":
+                if variant.base not in kvs:
+                    bases[variant.base].set_attn_implementation("sdpa")
+                    kvs[variant.base] = context_kv(bases[variant.base], window[: length - tail - 1])
+                kv = kvs[variant.base]
+            value = perplexity_nll(variant, length, window, tail, kv)
+            nll[variant.name].append(value)
+            if variant.share is None:
+                cache.put(key, value)
+    return [{"variant": name, "length": length, "windows": len(v), "tokens": len(v) * tail,
+             "nll": sum(v) / len(v), "share": next(x.share for x in variants if x.name == name)}
+            for name, v in nll.items()]

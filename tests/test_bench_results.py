@@ -1,0 +1,87 @@
+"""nosa.bench.results.write_result, the one writer of benchmark results: the provenance block (command,
+commit, dirty flag, machine, date), the atomic write, and null commit and dirty flag without git."""
+
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from nosa.bench import REPO
+from nosa.bench.results import git_state, write_result
+
+
+def test_the_result_carries_its_provenance_first(tmp_path):
+    path = tmp_path / "deeper" / "r.json"  # the folders are made
+    assert write_result(str(path), {"rows": [1, 2]}, argv=["scripts/bench_x.py", "--quick"]) == str(path)
+    result = json.loads(path.read_text())
+    assert list(result) == ["provenance", "rows"] and result["rows"] == [1, 2]
+    prov = result["provenance"]
+    assert set(prov) == {"command", "commit", "dirty", "machine", "date"}
+    assert prov["command"] == "python scripts/bench_x.py --quick"
+    assert prov["date"] == datetime.date.today().isoformat()
+    if prov["commit"] is not None:  # a git checkout (null where git or the repository is missing)
+        assert re.fullmatch(r"[0-9a-f]{40}", prov["commit"]) and isinstance(prov["dirty"], bool)
+    machine = prov["machine"]
+    assert set(machine) == {"cpu", "cores", "memory_gib", "gpu", "torch", "python"}
+    assert isinstance(machine["cpu"], str) and machine["cpu"]
+    assert isinstance(machine["cores"], int) and machine["cores"] >= 1
+    assert isinstance(machine["memory_gib"], float) and machine["memory_gib"] > 0
+    assert machine["gpu"] == (torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+    assert (machine["torch"], machine["python"]) == (torch.__version__, platform.python_version())
+
+
+def test_the_command_is_as_typed_with_the_script_relative_to_the_checkout(tmp_path):
+    path = tmp_path / "r.json"
+    write_result(str(path), {}, argv=[os.path.join(REPO, "scripts", "soak.py"), "--env", "A=a b"])
+    assert json.loads(path.read_text())["provenance"]["command"] == "python scripts/soak.py --env 'A=a b'"
+
+
+def test_a_provenance_in_the_data_is_replaced_by_this_runs(tmp_path):
+    path = tmp_path / "merged.json"
+    write_result(str(path), {"provenance": {"command": "an earlier run"}, "x": 1}, argv=["scripts/m.py"])
+    result = json.loads(path.read_text())
+    assert result["provenance"]["command"] == "python scripts/m.py" and result["x"] == 1
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "r.json"
+    write_result(str(path), {"x": 1}, argv=["scripts/x.py"])
+    before = path.read_text()
+    with pytest.raises(TypeError):
+        write_result(str(path), {"x": object()}, argv=["scripts/x.py"])  # not JSON: fails mid-write
+    assert path.read_text() == before
+    assert os.listdir(tmp_path) == ["r.json"]
+
+
+def test_without_git_commit_and_dirty_are_null(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git executable to be found
+    assert git_state() == (None, None)
+    path = tmp_path / "r.json"
+    write_result(str(path), {}, argv=["scripts/x.py"])
+    prov = json.loads(path.read_text())["provenance"]
+    assert (prov["commit"], prov["dirty"]) == (None, None)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_commit_and_dirty_flag_of_a_checkout(tmp_path):
+    assert git_state(str(tmp_path)) == (None, None)  # not a repository
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    git("add", "a.txt")
+    git("commit", "-q", "-m", "one")
+    head = git("rev-parse", "HEAD")
+    (tmp_path / "new.txt").write_text("untracked files do not count\n")
+    assert git_state(str(tmp_path)) == (head, False)
+    (tmp_path / "a.txt").write_text("two\n")
+    assert git_state(str(tmp_path)) == (head, True)
