@@ -1,0 +1,1 @@
+"""The benchmark library: what scripts/bench_*.py and the docs renderer share."""
