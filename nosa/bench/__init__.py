@@ -9,7 +9,9 @@ help text and flags and calls in here; every result JSON goes through ``results.
 - per benchmark: ``accuracy``, ``serve_speed`` (bench_serve.py), ``offload``, ``ask`` (serve_ask.py),
   ``soak``, ``kernel_speed``, ``recall_speed``, ``train_speed``, ``resolve_speed`` (bench_kernels.py,
   bench_recall.py, bench_train.py, bench_resolve.py), ``graph_replay`` (graph_check.py), ``wandb_run``
-  (wandb_report.py).
+  (wandb_report.py);
+- ``report`` (+ ``report_tables``, ``report_reference``): the generated blocks of README.md and
+  docs/ (results tables from results/*.json, the config and NOSA_* references from the code).
 """
 
 import os

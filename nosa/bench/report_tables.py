@@ -1,0 +1,485 @@
+"""The results tables of the docs: one renderer per table, each reading its results/*.json.
+
+A renderer is ``fn(root) -> markdown`` registered in ``RENDERERS`` with the JSON files it reads
+(paths relative to the repository root). ``nosa.bench.report`` calls it for a page's marker block
+and appends the files' provenance, so a table never says a figure the JSON does not hold.
+Formatting is fixed (a percent to one decimal, a ratio to two): rendering is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Callable
+
+RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Path], str]]] = {}
+
+
+def renders(*sources: str):
+    """Register ``fn`` as the renderer of the block named after it, reading ``sources``."""
+
+    def register(fn: Callable[[Path], str]) -> Callable[[Path], str]:
+        RENDERERS[fn.__name__] = (sources, fn)
+        return fn
+
+    return register
+
+
+def load(root: Path, name: str) -> dict:
+    with open(root / name) as f:
+        return json.load(f)
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    """A markdown table; every cell is str()-ed."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pct(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def times(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}x"
+
+
+def share_text(s: dict) -> str:
+    """right/n [Wilson 95% interval]."""
+    return f"{s['right']}/{s['n']} [{s['lo']:.0%}, {s['hi']:.0%}]"
+
+
+# ---- the headline (README and the results page) -------------------------------------------------
+@renders("results/accuracy.json", "results/longctx.json", "results/offload.json",
+         "results/serve_smollm2_8k_rank_short.json", "results/serve.json")
+def headline(root: Path) -> str:
+    acc = {(r["variant"], r["length"]): r for r in load(root, "results/accuracy.json")["results"]}
+    tiny = [acc[(v, 512)] for v in ("dense", "training_free", "nosa_finetuned")]
+    suite = load(root, "results/longctx.json")
+    get = {(r["variant"], r["length"]): r for r in suite["results"]}
+    answers = "; ".join(
+        f"{n}: " + " / ".join(str(get[(v, n)]["all"]["right"]) for v in ("dense", "A = 0, 1/4", "fitted, 1/4"))
+        + f" of {get[('dense', n)]['all']['n']}" for n in suite["lengths"])
+    fitted = [get[("fitted, 1/4", n)] for n in suite["lengths"]]
+    a0 = [get[("A = 0, 1/4", n)] for n in suite["lengths"]]
+    ppl = {p["variant"]: p for p in suite["perplexity"]}
+    cap = load(root, "results/offload.json")["capacity"]
+    onoff = paired_speed(load(root, "results/serve_smollm2_8k_rank_short.json"), "offload_sched_over_nosa")
+    serve = load(root, "results/serve.json")["decode_speedup_nosa_over_torch_native"]
+    rows = [
+        ["tiny model (quickstart), 512 tokens, 1/4 of the blocks: held-out answers right, dense / A = 0 / NOSA",
+         " / ".join(pct(r["acc"]["mean"]) for r in tiny), "`results/accuracy.json`"],
+        ["tiny model: blocks entering the selection per decode step, A = 0 / NOSA; hit rate of a cache = budget",
+         f"{tiny[1]['entering_mean']['mean']:.2f} / {tiny[2]['entering_mean']['mean']:.2f}; "
+         f"{pct(tiny[1]['hit_rate']['mean'])} / {pct(tiny[2]['hit_rate']['mean'])}", "`results/accuracy.json`"],
+        ["SmolLM2-135M long-context suite, 1/4 of the blocks: right answers, dense / A = 0 / fitted heads",
+         answers, "`results/longctx.json`"],
+        ["SmolLM2 suite, 1/4: hit rate of a cache = budget, fitted heads (A = 0)",
+         f"{pct(min(r['hit_rate'] for r in fitted))}-{pct(max(r['hit_rate'] for r in fitted))} "
+         f"({pct(min(r['hit_rate'] for r in a0))}-{pct(max(r['hit_rate'] for r in a0))})", "`results/longctx.json`"],
+        [f"SmolLM2 suite: perplexity at {ppl['dense']['length']} tokens, fitted heads at 1/4 over dense",
+         f"{ppl['fitted, 1/4']['ratio_to_dense']:.4f}", "`results/longctx.json`"],
+        [f"device KV budget of {cap['device_kv_tokens']:,} tokens: longest context served, torch_native / "
+         "nosa with offloading", f"{cap['torch_native']['served_context']:,} / "
+         f"{cap['nosa_offload']['served_context']:,} ({times(cap['capacity_ratio'], 1)})", "`results/offload.json`"],
+        [f"SmolLM2 served at 8K: decode speed with offloading on over off (median of {onoff['rounds']} paired rounds)",
+         f"{onoff['median']:.2f} (CPU time {onoff['median_cpu']:.2f})", "`results/serve_smollm2_8k_rank_short.json`"],
+        ["decode step, nosa over torch_native (tiny random Llama, batch 4): speed-up at 32K / 64K tokens",
+         f"{times(serve['32768'])} / {times(serve['65536'])}", "`results/serve.json`"],
+    ]
+    return table(["what", "measured", "data"], rows)
+
+
+# ---- the tiny model -------------------------------------------------------------------------------
+@renders("results/demo.json")
+def demo(root: Path) -> str:
+    """Every top-level number of the demo's JSON (the demo decides what it reports)."""
+    data = load(root, "results/demo.json")
+    rows = [[f"`{k}`", f"{v:.4g}" if isinstance(v, float) else v] for k, v in data.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return table(["figure", "value"], rows)
+
+
+@renders("results/accuracy.json")
+def accuracy(root: Path) -> str:
+    data = load(root, "results/accuracy.json")
+    get = {(r["variant"], r["length"]): r for r in data["results"]}
+    lengths = sorted({r["length"] for r in data["results"]})
+    names = {"dense": "dense", "training_free": "A = 0", "nosa_finetuned": "NOSA"}
+
+    def spread(s: dict, fmt: Callable[[float], str]) -> str:
+        return f"{fmt(s['mean'])} [{fmt(s['min'])}, {fmt(s['max'])}]"
+
+    rows = []
+    for n in lengths:
+        rows.append([n, pct(get[("dense", n)]["budget_share"], 0)]
+                    + [spread(get[(v, n)]["acc"], pct) for v in names]
+                    + [spread(get[(v, n)]["entering_mean"], lambda x: f"{x:.2f}")
+                       + f" ({get[(v, n)]['entering_max']['max']:.0f})" for v in ("training_free", "nosa_finetuned")]
+                    + [spread(get[(v, n)]["hit_rate"], pct) for v in ("training_free", "nosa_finetuned")])
+    header = ["context", "budget", "answers right: dense", "A = 0", "NOSA", "blocks entering per step (max): A = 0",
+              "NOSA", "hit rate, cache = budget: A = 0", "NOSA"]
+    return (table(header, rows) + f"\n\nMean [min, max] over {len(data['runs'])} training seeds "
+            f"({', '.join(data['runs'])}), {data['examples_per_length']} examples per length.")
+
+
+# ---- the long-context suite on SmolLM2 ----------------------------------------------------------
+def _suite(root: Path, name: str):
+    data = load(root, name)
+    names = list(dict.fromkeys(r["variant"] for r in data["results"]))
+    return data, names, {(r["variant"], r["length"]): r for r in data["results"]}
+
+
+@renders("results/longctx.json")
+def longctx_tasks(root: Path) -> str:
+    data, names, get = _suite(root, "results/longctx.json")
+    rows = []
+    for n in data["lengths"]:
+        rows += [[n, t] + [share_text(get[(v, n)]["tasks"][t]) for v in names] for t in data["tasks"]]
+        rows.append([n, "**all**"] + [f"**{share_text(get[(v, n)]['all'])}**" for v in names])
+    return table(["context", "task"] + names, rows) + "\n\nRight answers [Wilson 95% interval]."
+
+
+def _variant_rows(data: dict, names: list[str], get: dict) -> list[list]:
+    rows = []
+    for n in data["lengths"]:
+        for v in names:
+            r = get[(v, n)]
+            if r["share"] is None:
+                rows.append([n, v, "all", pct(r["all"]["acc"]), "-", "-", "-"])
+            else:
+                rows.append([n, v, f"{r['budget_blocks']} of {r['context_blocks']}", pct(r["all"]["acc"]),
+                             f"{r['entering_mean']:.2f} ({r['entering_max']})", pct(r["hit_rate"]), f"{r['mass']:.3f}"])
+    return rows
+
+
+@renders("results/longctx.json")
+def longctx_variants(root: Path) -> str:
+    data, names, get = _suite(root, "results/longctx.json")
+    header = ["context", "variant", "budget (blocks)", "right, all tasks", "blocks entering per step (max)",
+              "hit rate, cache = budget", "dense mass in selection"]
+    return table(header, _variant_rows(data, names, get))
+
+
+@renders("results/longctx.json")
+def longctx_targets(root: Path) -> str:
+    """Per NOSA variant and length: the tasks dense answers at least half of, the points below dense
+    averaged over them, the tasks answered worse than A = 0 at the same budget, and the recall."""
+    data, names, get = _suite(root, "results/longctx.json")
+    ppl = {p["variant"]: p["ratio_to_dense"] for p in data["perplexity"]}
+    rows = []
+    for r in data["results"]:
+        if r["share"] is None or r["variant"].startswith("A = 0"):
+            continue
+        n = r["length"]
+        dense, a0 = get[("dense", n)], get[(f"A = 0, 1/{r['share']}", n)]
+        kept = [t for t in data["tasks"] if dense["tasks"][t]["acc"] >= 0.5]
+        mean_dense = statistics.fmean(dense["tasks"][t]["acc"] for t in kept)
+        mean_var = statistics.fmean(r["tasks"][t]["acc"] for t in kept)
+        below = [t for t in data["tasks"] if r["tasks"][t]["right"] < a0["tasks"][t]["right"]]
+        rows.append([n, r["variant"], ", ".join(kept), pct(mean_dense), pct(mean_var),
+                     f"{100 * (mean_dense - mean_var):.1f}", ", ".join(below) or "none", pct(r["hit_rate"]),
+                     times(r["entering_mean"] / a0["entering_mean"]),
+                     f"{ppl[r['variant']]:.4f}" if n == data["perplexity"][0]["length"] else "-"])
+    header = ["context", "variant", "tasks dense answers >= half of", "dense", "variant", "points below dense",
+              "tasks below A = 0", "hit rate", "entering / A = 0", "perplexity / dense"]
+    p0 = data["perplexity"][0]
+    return (table(header, rows) + f"\n\nPerplexity over the last {p0['tokens'] // p0['windows']} tokens of "
+            f"{p0['windows']} held-out windows of {p0['length']} tokens, at that length only.")
+
+
+@renders("results/longctx_picks_seed1_2048.json", "results/longctx_picks_seed1_4096.json")
+def picks_split(root: Path) -> str:
+    """The split of the budget: free query-aware picks as a share of it, on examples of seed 1."""
+    rows = []
+    for name in ("results/longctx_picks_seed1_2048.json", "results/longctx_picks_seed1_4096.json"):
+        data, names, get = _suite(root, name)
+        ppl = {p["variant"]: p["ratio_to_dense"] for p in data["perplexity"]}
+        for n in data["lengths"]:
+            for v in names:
+                r = get[(v, n)]
+                right = "+".join(str(r["tasks"][t]["right"]) for t in data["tasks"]) + f" = {r['all']['right']}"
+                if r["share"] is None:
+                    rows.append([n, v, right + f"/{r['all']['n']}", "-", "-", "-"])
+                    continue
+                a0 = get[(f"A = 0, 1/{r['share']}", n)]
+                rows.append([n, v, right + f"/{r['all']['n']}",
+                             f"{r['entering_mean']:.2f} ({times(r['entering_mean'] / a0['entering_mean'])})",
+                             pct(r["hit_rate"]), f"{ppl[v]:.3f}"])
+    header = ["context", "variant", "right (" + " + ".join(data["tasks"]) + ")", "entering per step (/ A = 0)",
+              "hit rate", "perplexity / dense"]
+    return table(header, rows)
+
+
+@renders("results/fit_sweep.json")
+def fit_sweep(root: Path) -> str:
+    data = load(root, "results/fit_sweep.json")
+    keys = list(data["results"][0]["coverage"])
+    rows = [[f"`{r['setting']}`"] + [f"{r['coverage'][k]:.3f}" for k in keys] + [f"**{r['mean']:.3f}**"]
+            for r in data["results"]]
+    return (table(["setting"] + [k.replace("@", ", ") for k in keys] + ["mean"], rows)
+            + f"\n\nAnswer-block coverage at 1/{data['share']} of the blocks, examples of seed {data['seed']}.")
+
+
+@renders("results/probe_ranking.json")
+def probe_ranking(root: Path) -> str:
+    data = load(root, "results/probe_ranking.json")
+    rows = [[r["task"], f"1/{r['share']} ({r['config']['topk_blocks']} blocks, {r['config']['query_blocks']} pick)",
+             f"{r['ranked']:.3f}", f"{r['picked']:.3f}", f"{r['covered']:.3f}", f"{r['above']:.2f}"]
+            for r in data["rows"]]
+    header = ["task", "budget", "ranked by the heads", "picked by the query", "in the selection",
+              "distractors ranked above it"]
+    return table(header, rows) + f"\n\nShares of the answer block's weight; checkpoint `{data['checkpoint']}`."
+
+
+# ---- serving ---------------------------------------------------------------------------------------
+def _served(root: Path, name: str) -> str:
+    d = load(root, name)
+    rows = [
+        ["answers right", f"{d['correct']} of {d['questions']} ({pct(d['accuracy'])})"],
+        ["prompt tokens (longest)", f"{d['prompt_tokens']:,}"],
+        ["hit rate of the device block cache: all decode steps / warm steps",
+         f"{pct(d['hit_rate'])} / {pct(d['warm_hit_rate'])}"],
+        ["recalled from the host pool", f"{d['recalled_items']:,} blocks ({d['recalled_bytes'] / 2**20:.1f} MiB)"],
+        ["most blocks recalled per KV head in a warm step", d["max_warm_misses"]],
+        ["peak device KV tokens (budget)", f"{d['peak_device_tokens']:,} ({d['device_budget_tokens']:,})"],
+        ["KV tokens torch_native would hold per request", f"{d['torch_native_kv_tokens_per_request']:,}"],
+        ["requests decoding at once (peak)", d["peak_batch"]],
+        ["admission: admitted / made to wait", f"{d['admission']['admit']} / {d['admission']['wait']}"],
+        ["request states and device slots left afterwards", f"{d['requests_after']}, {d['device_slots_in_use_after']}"],
+    ]
+    if "nosa_config" in d:
+        c = d["nosa_config"]
+        rows.insert(1, ["NosaConfig served", f"{c['topk_blocks']} blocks of {c['block_size']} = {c['sink_blocks']} "
+                        f"sink + {c['window_blocks']} window + {c['query_blocks']} picks + the rest ranked"])
+    return table(["served", "measured"], rows)
+
+
+@renders("results/serve_ask.json")
+def serve_ask(root: Path) -> str:
+    return _served(root, "results/serve_ask.json")
+
+
+@renders("results/serve_ask_smollm2.json")
+def serve_ask_smollm2(root: Path) -> str:
+    return _served(root, "results/serve_ask_smollm2.json")
+
+
+def paired_speed(data: dict, key: str) -> dict:
+    """Speed with the first variant of ``key`` over the second (1 / the ms ratio), per paired round."""
+    context = str(data["results"][0]["context"])
+    wall = [1 / r[context][key] for r in data["ratios_by_round"]]
+    cpu = [1 / r[f"{context} cpu"][key] for r in data["ratios_by_round"]]
+    return {"rounds": len(wall), "median": statistics.median(wall), "median_cpu": statistics.median(cpu),
+            "lo": min(wall), "hi": max(wall), "at_least_0_9": sum(x >= 0.9 for x in wall)}
+
+
+@renders("results/serve_smollm2_8k_rank_short.json", "results/serve_offload_tiny_kernel_final.json",
+         "results/resolve_kernel.json")
+def offload_onoff(root: Path) -> str:
+    rows = []
+    for label, name in (("SmolLM2-135M, 8K prompt, batch 1", "results/serve_smollm2_8k_rank_short.json"),
+                        ("tiny quickstart model, 2K, batch 4", "results/serve_offload_tiny_kernel_final.json")):
+        data = load(root, name)
+        s = paired_speed(data, "offload_sched_over_nosa")
+        on = [r["offload"] for r in data["results"] if r["backend"] == "nosa+offload+sched"]
+        hit = sum(o["hit_items"] for o in on) / sum(o["selected_items"] for o in on)
+        rows.append([f"served: {label}", s["rounds"], f"{s['lo']:.2f}-{s['hi']:.2f}",
+                     f"**{s['median']:.2f}** ({s['median_cpu']:.2f})", f"{s['at_least_0_9']} of {s['rounds']}",
+                     pct(hit)])
+    for r in load(root, "results/resolve_kernel.json")["resolve"]:
+        speed = r["ratios_by_round"]["on_over_off_speed"]
+        rows.append([f"one process, no SGLang: the {r['shape']} shape", r["rounds"],
+                     f"{min(speed):.2f}-{max(speed):.2f}", f"**{r['ratios']['on_over_off_speed']:.2f}** (CPU time)",
+                     f"{sum(x >= 0.9 for x in speed)} of {r['rounds']}", pct(r["hit_rate"])])
+    return table(["run", "paired rounds", "on / off by round", "median on / off (CPU time)", "rounds >= 0.9",
+                  "hit rate"], rows)
+
+
+@renders("results/offload.json")
+def offload_capacity(root: Path) -> str:
+    cap = load(root, "results/offload.json")["capacity"]
+    tn, off = cap["torch_native"], cap["nosa_offload"]
+    rows = [[f"{cap['device_kv_tokens']:,} tokens", f"{tn['served_context']:,} tokens served; one more refused "
+             f"(HTTP {tn['status_at_budget_plus_1']})", f"{off['served_context']:,} tokens served (prefill "
+             f"{off['seconds']:,.0f} s)", f"**{times(cap['capacity_ratio'], 1)}**"]]
+    return table(["device KV budget", "torch_native (its pool is the device memory)", "nosa, `NOSA_OFFLOAD=1`",
+                  "ratio"], rows)
+
+
+@renders("results/offload.json")
+def offload_hitrate(root: Path) -> str:
+    data = load(root, "results/offload.json")["hitrate"]
+    by = {(r["selection"], r["context"]): r for r in data["rows"]}
+    rows = []
+    for n in sorted({r["context"] for r in data["rows"]}):
+        nosa, a0 = by[("nosa", n)], by[("a0", n)]
+        rows.append([f"{n} ({nosa['blocks']} blocks)", f"**{pct(nosa['warm_hit_rate'])}** / {pct(a0['warm_hit_rate'])}",
+                     f"{nosa['recalled_bytes'] / 1e6:.2f} MB / {a0['recalled_bytes'] / 1e6:.1f} MB "
+                     f"({times(nosa['recalled_bytes'] / a0['recalled_bytes'])})",
+                     f"{nosa['max_warm_misses_per_head']} / {a0['max_warm_misses_per_head']}"])
+    return table(["context", "warm hit rate: NOSA / A = 0", "recalled: NOSA / A = 0",
+                  "most recalled per warm step and KV head: NOSA / A = 0"], rows) + (
+        f"\n\nCheckpoint `{data['checkpoint']}`, budget {data['nosa_config']['topk_blocks']} blocks of "
+        f"{data['nosa_config']['block_size']}, device slots = the budget.")
+
+
+@renders("results/offload_schedule.json")
+def offload_schedule(root: Path) -> str:
+    data = load(root, "results/offload_schedule.json")["schedule"]["rows"]
+    by = {(r["mode"], r["repeat"]): r for r in data}
+    repeats = sorted({r["repeat"] for r in data})
+    rows = []
+    for mode in ("off", "on", "scheduled"):
+        rows.append([f"{mode}, ms / step"] + [by[(mode, k)]["ms_per_decode_step"] if (mode, k) in by else "-"
+                                               for k in repeats])
+    speed = [by[("off", k)]["ms_per_decode_step"] / by[("scheduled", k)]["ms_per_decode_step"] for k in repeats]
+    rows.append(["**scheduled / off (speed)**"] + [f"**{x:.2f}**" for x in speed])
+    rows.append(["stall share of the layers' time, scheduled"] + [by[("scheduled", k)]["stall_share"] for k in repeats])
+    rows.append(["hit rate, scheduled"] + [pct(by[("scheduled", k)]["hit_rate"]) for k in repeats])
+    return table(["32K, batch 4, random A = 0 model"] + [f"repeat {k}" for k in repeats], rows)
+
+
+@renders("results/offload_trace.json", "results/serve_timeline.json")
+def offload_trace(root: Path) -> str:
+    data = load(root, "results/offload_trace.json")["trace"]
+    off, on = data["admission_off"], data["admission_on"]
+    both = (off, on)
+    adm = (on["admission"] or {}).get("decisions", {})
+
+    def row(label: str, fmt: Callable[[dict], str]) -> list:
+        return [label] + [fmt(x) for x in both]
+
+    rows = [
+        row("output tokens / s", lambda x: f"{x['output_tokens_per_s']:.2f} ({x['seconds']:.0f} s)"),
+        row("time per output token p50 / p99 (ms)", lambda x: f"{x['tpot_ms_p50']:,.0f} / {x['tpot_ms_p99']:,.0f}"),
+        row("time to first token p50 / p99 (s)", lambda x: f"{x['ttft_s_p50']:.1f} / {x['ttft_s_p99']:.1f}"),
+        row("decode steps; most requests at once", lambda x: f"{x['steps']}; {x['max_batch']}"),
+        row("hit rate; stall share of the layers' time", lambda x: f"{x['hit_rate']:.3f}; {x['stall_share']:.3f}"),
+        ["admission decisions", "-", ", ".join(f"{adm.get(k, 0)} {k}s" for k in ("admit", "wait", "grant"))],
+    ]
+    lengths = data["lengths"]
+    return (table([f"Poisson trace, {len(lengths)} requests of {min(lengths):,}-{max(lengths):,} tokens",
+                   "admission off", "admission on"], rows)
+            + f"\n\nDevice KV budget {data['device_kv_tokens']:,} tokens, {data['new_tokens']} new tokens per "
+            f"request, {data['rate_per_s']} arrivals per second; the dashboard above plots "
+            "`results/serve_timeline.json`, the admission-on run's decode steps.")
+
+
+def _against_torch_native(data: dict, key: str, ratio: Callable[[float, float], float]) -> list[list]:
+    """Per context: torch_native's and nosa's ``key`` side by side, and ratio(torch_native's, nosa's)."""
+    by = {(r["backend"], r["context"]): r[key] for r in data["results"]}
+    return [[f"{n // 1024}K", by[("torch_native", n)], by[("nosa", n)],
+             f"**{times(ratio(by[('torch_native', n)], by[('nosa', n)]))}**"]
+            for n in sorted({r["context"] for r in data["results"]})]
+
+
+@renders("results/serve.json")
+def serve_decode(root: Path) -> str:
+    data = load(root, "results/serve.json")
+    rows = _against_torch_native(data, "ms_per_decode_step", lambda tn, nosa: tn / nosa)
+    c = data["nosa_config"]
+    return (table(["context", "torch_native ms / step", "nosa ms / step", "nosa speed-up"], rows)
+            + f"\n\n{data['model']}; batch 4; NosaConfig of that run: {c['topk_blocks']} blocks of {c['block_size']}, "
+            f"{c['window_blocks']} window, {c['query_blocks']} picks, `dense_len` {c['dense_len']}.")
+
+
+@renders("results/serve_decode_flat64k.json")
+def serve_flat(root: Path) -> str:
+    data = load(root, "results/serve_decode_flat64k.json")
+    rows = [[f"{r['context'] // 1024}K", r["ms_per_decode_step"], r["cpu_ms_per_decode_step"]] for r in data["results"]]
+    return (table(["context", "nosa ms / step", "CPU ms / step"], rows)
+            + f"\n\nLongest over shortest context: {times(data['ratios']['nosa_longest_over_shortest'])}.")
+
+
+@renders("results/serve_prefill.json")
+def serve_prefill(root: Path) -> str:
+    data = load(root, "results/serve_prefill.json")
+    rows = _against_torch_native(data, "prefill_s", lambda tn, nosa: nosa / tn)
+    return table(["context", "torch_native prefill s (4 requests)", "nosa prefill s", "nosa / torch_native"], rows)
+
+
+@renders("results/serve_graphs.json")
+def serve_graphs(root: Path) -> str:
+    data = load(root, "results/serve_graphs.json")
+    rows = [[data["variants"][r["backend"]], r["ms_per_decode_step"], r["cpu_ms_per_decode_step"],
+             f"{r['server_start_s']:.0f}"] for r in data["results"]]
+    return (table(["variant (4K, batch 4)", "ms / decode step", "CPU ms / step", "server start-up s"], rows)
+            + f"\n\n{data['model']}.")
+
+
+@renders("results/serve_tp.json")
+def serve_tp(root: Path) -> str:
+    data = load(root, "results/serve_tp.json")
+    rows = [[r["tp_size"], f"{r['context'] // 1024}K", r["ms_per_decode_step"], f"{r['prefill_s']:.0f}"]
+            for r in data["results"]]
+    return table(["TP size", "context", "ms / decode step", "prefill s (4 requests)"], rows) + (
+        f"\n\n{data['model']}, eviction heads at full scale; on this 2-core CPU each TP rank gets one core.")
+
+
+@renders("results/soak.json", "results/soak_offload.json")
+def soak(root: Path) -> str:
+    runs = [load(root, "results/soak.json"), load(root, "results/soak_offload.json")]
+
+    def cell(label: str, fmt: Callable[[dict], object]) -> list:
+        return [label] + [fmt(d) for d in runs]
+
+    rows = [
+        cell("requests under load", lambda d: d["requests_total"]),
+        cell("malformed mixed in: 400 / served", lambda d: f"{d['requests']['malformed'].get('400', 0)} / "
+             f"{d['requests']['malformed'].get('200', 0)}"),
+        cell("5xx or failed checks", lambda d: len(d["failures"])),
+        cell("burst of one-token requests at once", lambda d: f"{d['burst']['ok']} of {d['burst']['requests']} "
+             f"answered in {d['burst']['seconds']:.1f} s"),
+        cell("probe outputs before = after", lambda d: "yes" if d["probes_identical"] else "no"),
+        cell("`/generate` latency median / max (s)", lambda d: f"{d['latency_s']['generate']['median']:.1f} / "
+             f"{d['latency_s']['generate']['max']:.1f}"),
+        cell("server RSS at start -> end (MB)", lambda d: f"{d['rss_mb_start']:,.0f} -> {d['rss_mb_end']:,.0f}"),
+        cell("validation of the longest prompt", lambda d: f"{d['validation_us_longest_prompt'] / 1000:.2f} ms"),
+    ]
+    load_ = runs[0]["load"]
+    return table([f"soak ({load_['clients']} clients, {load_['duration']:.0f} s of load)", "KV in SGLang's pool",
+                  "offloading on"], rows)
+
+
+# ---- kernels and training ---------------------------------------------------------------------------
+@renders("results/kernels.json")
+def kernels_cpu(root: Path) -> str:
+    data = load(root, "results/kernels.json")
+    rows = [[f"slot decode, {r['context'] // 1024}K, batch {r['batch']}", times(r["dense_over_nosa"], 1)]
+            for r in data["decode_slots"]]
+    rows += [[f"paged decode, {r['context'] // 1024}K, batch {r['batch']}", times(r["dense_over_nosa_ref"], 1)]
+             for r in data["decode_paged"]]
+    rows += [[f"prefill reference, {r['context'] // 1024}K, forward + backward", times(r["dense_over_nosa_fwd_bwd"])]
+             for r in data["prefill"]]
+    return table(["torch reference on CPU (fp32, one thread)", "dense time / nosa time"], rows)
+
+
+@renders("results/recall.json")
+def recall_cpu(root: Path) -> str:
+    data = load(root, "results/recall.json")
+    rows = [[f"{r['items']} ({r['bytes'] / 2**20:.0f} MiB)"]
+            + [f"{r[k]:.2f} GB/s" for k in ("batched_gbps", "per_block_gbps", "one_copy_gbps")]
+            + [times(r["batched_over_per_block"]), pct(r["batched_fraction_of_one_copy"], 0)] for r in data["rows"]]
+    return table(["items per call", "batched", "one copy per block", "one large copy", "batched / per block",
+                  "batched / one copy"], rows) + f"\n\nLoad average while measuring: {data['load_average_1min']:.1f}."
+
+
+@renders("results/train_tiny.json")
+def train_step(root: Path) -> str:
+    data = load(root, "results/train_tiny.json")
+    step = data["step_s"]
+    rows = [[f"`{data['config']}` ({data['micro_batch']} x {data['seq_len']} tokens)", step["dense"]["median"],
+             step["nosa"]["median"], times(data["ratio_nosa_over_dense"]), times(data["cpu_ratio_nosa_over_dense"])]]
+    return table(["config", "dense s / step", "NOSA s / step", "NOSA / dense (wall)", "NOSA / dense (CPU time)"], rows)
+
+
+@renders("results/train.json")
+def crossover(root: Path) -> str:
+    rows = load(root, "results/train.json")["crossover"]
+    header = ["keys per row / budget"] + [f"{r['mean_keys_per_budget']:g} ({r['context']} tok., "
+                                          f"{'training' if r['training'] else 'prefill'})" for r in rows]
+    ratios = [times(r["gathered_cpu_s"] / r["masked_cpu_s"]) for r in rows]
+    return table(header, [["gathered / masked (CPU time)"] + ratios])
