@@ -12,9 +12,8 @@ from nosa import env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("nosa", "kernels", "train", "serve", "scripts")  # every NOSA_* name here must be registered
-# Folders (or files) whose Python reads its variables through nosa.env only; serve/ and scripts/
-# join once their readers are converted.
-CONVERTED = ("nosa", "kernels", "train", "tests/real")
+# Folders (or files) whose Python reads its variables through nosa.env only
+CONVERTED = ("nosa", "kernels", "train", "serve", "scripts", "tests/real")
 READERS = {"flag", "integer", "choice", "text", "path"}
 NAME = re.compile(r"(?<![A-Za-z0-9_])NOSA_[A-Z_]*[A-Z]")
 
