@@ -13,26 +13,19 @@ import sys
 import tempfile
 import time
 
-import torch
 from transformers import AutoTokenizer
 
 from nosa.bench import REPO
 from nosa.bench.longctx.chat import suite_examples, suite_view
 from nosa.bench.longctx.config import budget_config
 from nosa.bench.results import write_result
-from nosa.bench.server.measure import measure, profiled_measure
+from nosa.bench.server.measure import measure, profiled_measure, random_prompts
 from nosa.bench.server.process import ServerProcess, cpu_binding, stop_all
 from nosa.bench.server.stats import counters
 from nosa.bench.tiny_checkpoint import make_bench_checkpoint
 from nosa.config import NosaConfig
 from nosa.serve.checkpoint import load_nosa_config
 from nosa.train.ruler import TASKS
-
-
-def random_prompts(context: int, batch: int, vocab: int = 256) -> list[list[int]]:
-    """``batch`` prompts of ``context`` random token ids below ``vocab`` (seeded by ``context``)."""
-    g = torch.Generator().manual_seed(context)
-    return [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)]
 
 
 def suite_prompts(checkpoint: str, length: int, batch: int) -> list[list[int]]:

@@ -19,7 +19,7 @@ import torch
 from nosa.bench.offload.servers import decode_setup, offload_env, start_server, task_prompts, zero_heads_copy
 from nosa.bench.results import write_result
 from nosa.bench.server.dashboard import load_timeline, plot
-from nosa.bench.server.measure import measure, stream_generate
+from nosa.bench.server.measure import measure, random_prompts, stream_generate
 from nosa.bench.server.stats import TimelineRecorder, offload_counters, read_timeline, summarize_timeline
 from nosa.bench.tiny_checkpoint import make_bench_checkpoint
 from nosa.config import NosaConfig
@@ -120,9 +120,10 @@ def bench_decode(args, work, ckpt) -> dict:
         flags, env = server_args(mode, stats)
         server = start_server(ckpt, flags, os.path.join(work, f"decode_{mode}.log"), env, args.threads)
         try:
-            measure(server, 512, args.batch, 16)  # warm-up
+            measure(server, random_prompts(512, args.batch), 16, warm_up=True)
             for context in contexts:
-                row = {"offload": mode, **measure(server, context, args.batch, args.decode_tokens)}
+                row = {"offload": mode, "context": context,
+                       **measure(server, random_prompts(context, args.batch), args.decode_tokens)}
                 if mode == "on":
                     row.update(offload_counters(stats))
                 print(json.dumps(row), flush=True)
@@ -152,13 +153,13 @@ def bench_schedule(args, work, ckpt) -> dict:
             servers[mode] = start_server(ckpt, [*flags, "--sleep-on-idle"], os.path.join(work, f"sched_{mode}.log"),
                                          env, args.threads)
         for server in servers.values():
-            measure(server, 512, args.batch, 16)  # warm-up
+            measure(server, random_prompts(512, args.batch), 16, warm_up=True)
         for context in contexts:
             for rep in range(repeats):
                 for mode in ("off", "on", "scheduled") if rep == 0 else ("off", "scheduled"):
                     since = time.time()
-                    row = {"mode": mode, "repeat": rep, **measure(servers[mode], context, args.batch,
-                                                                  args.decode_tokens)}
+                    row = {"mode": mode, "repeat": rep, "context": context,
+                           **measure(servers[mode], random_prompts(context, args.batch), args.decode_tokens)}
                     if mode != "off":
                         time.sleep(1.5)
                         row.update(summarize_timeline(read_timeline(stats[mode], since), args.batch))

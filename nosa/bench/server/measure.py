@@ -15,6 +15,8 @@ import threading
 import time
 import urllib.request
 
+import torch
+
 
 def stream_generate(url: str, prompt: list[int], new_tokens: int, start: float, out: list) -> None:
     """Greedy generation with streaming; appends (seconds since ``start``, tokens so far) per chunk."""
@@ -46,6 +48,12 @@ def minor_faults(pid: int) -> int:
     """Minor page faults of process ``pid`` so far: first touches of memory the process had not used
     yet or had given back to the kernel (each costs a kernel entry and a zeroed page)."""
     return int(_proc_stat(pid)[7])
+
+
+def random_prompts(context: int, batch: int, vocab: int = 256) -> list[list[int]]:
+    """``batch`` prompts of ``context`` random token ids below ``vocab`` (seeded by ``context``)."""
+    g = torch.Generator().manual_seed(context)
+    return [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)]
 
 
 def measure(server, prompts: list[list[int]], new_tokens: int, warm_up: bool = False,
