@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
-import os
+import sys
 import time
 
 import torch
 
 import nosa
+from nosa.bench.results import write_result
 from nosa.config import NosaConfig
 from nosa.tiny import set_eviction_heads, tiny_llama
 
@@ -118,9 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"(bound {bound}, budget {cfg.topk_blocks})")
     if result["entering_max"] > bound:
         raise SystemExit(f"locality bound violated: {result['entering_max']} > {bound}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(args.out, result, argv=["-m", "nosa.demo", *(sys.argv[1:] if argv is None else argv)])
     print(f"[demo] wrote {args.out}")
     return result
 
