@@ -85,3 +85,21 @@ def test_commit_and_dirty_flag_of_a_checkout(tmp_path):
     assert git_state(str(tmp_path)) == (head, False)
     (tmp_path / "a.txt").write_text("two\n")
     assert git_state(str(tmp_path)) == (head, True)
+
+
+def test_the_suite_timer_reads_pytest_junit(tmp_path):
+    """scripts/time_suite.py's reading of a JUnit report: a test's name, seconds and outcome."""
+    from nosa.bench.suite_time import junit_tests
+
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.serve.test_x" name="test_a[1]" time="12.5"/>'
+        '<testcase classname="tests.test_y" name="test_b" time="0.25"><skipped message="no GPU"/></testcase>'
+        '<testcase classname="tests.test_y" name="test_c" time="1"><failure message="boom"/></testcase>'
+        '</testsuite></testsuites>')
+    assert junit_tests(str(xml)) == [
+        {"test": "tests/serve/test_x.py::test_a[1]", "seconds": 12.5, "outcome": "passed"},
+        {"test": "tests/test_y.py::test_b", "seconds": 0.25, "outcome": "skipped"},
+        {"test": "tests/test_y.py::test_c", "seconds": 1.0, "outcome": "failed"},
+    ]

@@ -1,0 +1,49 @@
+"""How long the test suite takes (scripts/time_suite.py): one run of ``bash scripts/test.sh`` with a
+JUnit report, its wall time, the outcome counts and the slowest tests, written with provenance."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+from nosa.bench import REPO
+from nosa.bench.results import write_result
+
+
+def junit_tests(path: str) -> list[dict]:
+    """[{"test", "seconds", "outcome"}] of a JUnit XML file (pytest's --junitxml; ``seconds`` is the
+    test's setup, call and teardown together)."""
+    tests = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed"
+            elif child.tag == "skipped":
+                outcome = "skipped"
+        name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        tests.append({"test": name, "seconds": round(float(case.get("time", 0.0)), 2), "outcome": outcome})
+    return tests
+
+
+def run(args) -> dict:
+    """Run the suite once (``args.pytest_args`` appended), write ``args.out``; returns the result."""
+    with tempfile.TemporaryDirectory(prefix="nosa-suite-") as work:
+        junit = os.path.join(work, "junit.xml")
+        command = ["bash", "scripts/test.sh", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                   *args.pytest_args]
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=REPO)
+        wall = time.perf_counter() - start
+        tests = junit_tests(junit) if os.path.exists(junit) else []
+    counts = {kind: sum(t["outcome"] == kind for t in tests) for kind in ("passed", "skipped", "failed")}
+    slowest = sorted(tests, key=lambda t: -t["seconds"])[: args.slowest]
+    result = {"suite_command": " ".join(command[:2] + list(args.pytest_args)), "exit_code": done.returncode,
+              "wall_seconds": round(wall, 1), "workers": 2, "tests": counts,
+              "test_seconds_total": round(sum(t["seconds"] for t in tests), 1), "slowest": slowest}
+    write_result(args.out, result)
+    print(f"suite: {counts} in {wall:.0f} s (exit {done.returncode}); wrote {args.out}")
+    return result
