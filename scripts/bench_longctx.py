@@ -21,7 +21,7 @@ eviction heads). Every sparse variant runs at the suite's NosaConfig for the len
 share (``budget_config``: blocks of 32 tokens, so 8K = 256 blocks; budget = 1/4 or 1/8 of the
 context's blocks = 1 sink + a window of 17/64 of it (the released NOSA's proportion) + free
 query-aware picks, 1/16 of it by default (``--picks``; the release's 15/64 reselects 4x as many
-blocks per step and answered no better on this model: README) + the rest ranked by the eviction
+blocks per step and answered no better on this model: docs/real-models.md) + the rest ranked by the eviction
 heads; dense_len 0. 8K at 1/4 = 64 = 1 + 17 + 4 + 42).
 
 Prefill (``--prefill``):

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Folders whose function-level imports must say why (nosa/ includes nosa/bench/); serve/ joins
-# once its imports are sorted out.
-LOCAL_IMPORT_FOLDERS = ("nosa", "kernels", "train", "serve")  # nosa/ includes nosa/bench/
+# Folders whose function-level imports must say why (nosa/ includes nosa/bench/)
+LOCAL_IMPORT_FOLDERS = ("nosa", "kernels", "train", "serve")
 REASON = re.compile(r"#\s*(optional|cycle):\s*\S")
 # repository folder -> the package it is imported as (nosa/__init__.py attaches the others)
 PACKAGES = {"nosa": "nosa", "kernels": "nosa.kernels", "train": "nosa.train", "serve": "nosa.serve"}

@@ -196,7 +196,7 @@ def balanced_weights(target, valid):
     """Token j of head h weighs ``1 + target * n_h / sum(target_h)`` where ``valid`` (0 elsewhere):
     the attended tokens of a head together weigh as much as all of its tokens. Few tokens are
     attended from far away (4 facts among ~500 tokens in the tiny task), and a plain mean let the
-    fit rank some facts below filler (measured: README). target, valid [N, Hkv] -> [N, Hkv]."""
+    fit rank some facts below filler (measured: docs/training.md). target, valid [N, Hkv] -> [N, Hkv]."""
     target = target.masked_fill(~valid, 0.0)
     boost = valid.sum(0) / target.sum(0).clamp(min=1e-6)  # [Hkv]
     return valid * (1 + target * boost)

@@ -27,7 +27,7 @@ DEPTH = (0.1, 0.9)
 # Sizes and wording measured on the dense 135M model at 2K (a few examples each): the passkey and
 # qa questions say what to answer with (without it the model explained what a pass key is, 0 of 4);
 # 4 values per key (RULER's) and 2-hop chains left it at 0 of 3; with 2 values and 1 hop it still
-# rarely answers (it lists one value and variations of it), and the README says so.
+# rarely answers (it lists one value and variations of it), and docs/real-models.md says so.
 KEYS = 4  # niah_multikey: needles in all, one asked
 VALUES = 2  # niah_multivalue: values of the one key, all asked
 VT_HOPS = 1  # assignments after the value: VT_HOPS + 1 variables to name
