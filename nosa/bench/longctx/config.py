@@ -13,8 +13,9 @@ BLOCK = 32  # tokens per block: 8K = 256 blocks
 RELEASED = (64, 17, 15)  # the released NOSA budget, window and picks, in blocks
 RELEASED_PICKS = Fraction(RELEASED[2], RELEASED[0])
 # Default share of the budget for the free query-aware picks, chosen by measurement
-# (docs/real-models.md, "Choosing the split"): on examples of another seed, 1/16 kept the fitted heads' accuracy at 2K and raised it
-# at 4K against the released 15/64, with 3.3x fewer blocks entering per step (hit rate 98% vs 93%).
+# (docs/real-models.md, "Choosing the split"): on examples of another seed, 1/16 kept the fitted
+# heads' accuracy at 2K and raised it at 4K against the released 15/64, with 3.3x fewer blocks
+# entering per step (hit rate 98% vs 93%).
 PICKS = Fraction(1, 16)
 
 
