@@ -1,18 +1,12 @@
 """Render the generated blocks of README.md and docs/*.md: results tables from results/*.json and the
 references (TrainConfig, NosaConfig, the NOSA_* variables) from the code.
 
-A page marks a block with two lines of their own::
-
-    <!-- report:NAME -->
-    (generated: whatever is here is replaced)
-    <!-- /report:NAME -->
-
-``NAME`` is a renderer of ``RENDERERS`` (``report_tables`` for results, ``report_reference`` for the
-code). A results block ends with one line per JSON it read, from that file's ``provenance``
-(command, commit, date, machine). ``render(root)`` gives every page's new text; ``check(root)`` the
+A block is the lines between ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->``, each on a line
+of its own; whatever is there is replaced. ``NAME`` is a renderer of ``RENDERERS`` (``report_tables``
+for results, ``report_reference`` for the code); a results block ends with one line per JSON it read,
+from that file's ``provenance``. ``render(root)`` gives every page's new text; ``check(root)`` the
 unified diffs of the pages that differ from it (``python scripts/report.py --check`` exits 1 on
-any). ``citations(root)`` says which results files each page cites (by path or through a block),
-which the docs test uses to keep results/ to what the pages cite.
+any); ``citations(root)`` which results files each page cites (the docs test keeps results/ to them).
 """
 
 from __future__ import annotations

@@ -483,3 +483,16 @@ def crossover(root: Path) -> str:
                                           f"{'training' if r['training'] else 'prefill'})" for r in rows]
     ratios = [times(r["gathered_cpu_s"] / r["masked_cpu_s"]) for r in rows]
     return table(header, [["gathered / masked (CPU time)"] + ratios])
+
+
+@renders("results/suite.json")
+def suite(root: Path) -> str:
+    data = load(root, "results/suite.json")
+    counts = data["tests"]
+    head = (f"`{data['suite_command']}`: {counts['passed']} passed, {counts['skipped']} skipped, "
+            f"{counts['failed']} failed in {data['wall_seconds'] / 60:.1f} min of wall time on "
+            f"{data['workers']} workers ({data['test_seconds_total'] / 60:.1f} min of tests' own time). "
+            "The slowest tests (setup, call and teardown together; a module's servers start in its first "
+            "test's setup):")
+    rows = [[f"`{t['test']}`", f"{t['seconds']:.0f} s"] for t in data["slowest"]]
+    return head + "\n\n" + table(["test", "time"], rows)
