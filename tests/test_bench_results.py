@@ -83,6 +83,13 @@ def test_commit_and_dirty_flag_of_a_checkout(tmp_path):
     head = git("rev-parse", "HEAD")
     (tmp_path / "new.txt").write_text("untracked files do not count\n")
     assert git_state(str(tmp_path)) == (head, False)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.json").write_text("{}\n")
+    git("add", "results/r.json")
+    git("commit", "-q", "-m", "a result")
+    head = git("rev-parse", "HEAD")
+    (tmp_path / "results" / "r.json").write_text('{"rerun": true}\n')
+    assert git_state(str(tmp_path)) == (head, False)  # a results file rewritten is no code changed
     (tmp_path / "a.txt").write_text("two\n")
     assert git_state(str(tmp_path)) == (head, True)
 

@@ -34,13 +34,15 @@ def provenance(argv: list[str] | None = None) -> dict:
 
 
 def git_state(root: str = REPO) -> tuple[str | None, bool | None]:
-    """(HEAD's sha, whether tracked files differ from it) of the checkout at ``root``; (None, None)
-    without git or outside a repository."""
+    """(HEAD's sha, whether tracked files outside results/ differ from it) of the checkout at
+    ``root``; (None, None) without git or outside a repository. results/ does not count: a run that
+    rewrites one results file (the quickstart's demo, then its serving step) has changed no code."""
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
         if head.returncode != 0:
             return None, None
-        status = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+        status = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                 ":(exclude)results"],
                                 capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):  # no git executable, or a hung one
         return None, None
