@@ -74,7 +74,8 @@ def headline(root: Path) -> str:
         ["tiny model: blocks entering the selection per decode step, A = 0 / NOSA; hit rate of a cache = budget",
          f"{tiny[1]['entering_mean']['mean']:.2f} / {tiny[2]['entering_mean']['mean']:.2f}; "
          f"{pct(tiny[1]['hit_rate']['mean'])} / {pct(tiny[2]['hit_rate']['mean'])}", "`results/accuracy.json`"],
-        ["SmolLM2-135M long-context suite, 1/4 of the blocks: right answers, dense / A = 0 / fitted heads",
+        ["SmolLM2-135M (its Q4_1 weights dequantized) long-context suite, 1/4 of the blocks: right answers, "
+         "dense / A = 0 / fitted heads",
          answers, "`results/longctx.json`"],
         ["SmolLM2 suite, 1/4: hit rate of a cache = budget, fitted heads (A = 0)",
          f"{pct(min(r['hit_rate'] for r in fitted))}-{pct(max(r['hit_rate'] for r in fitted))} "
