@@ -1,5 +1,6 @@
-"""nosa.bench.server.process.ServerProcess's signals on a stand-in process group (no SGLang): pause
-stops every process of the group, resume continues them, and a paused server still stops."""
+"""nosa.bench.server.process.ServerProcess on stand-in processes (no SGLang): pause stops every process
+of the group, resume continues them, a paused server still stops; a start that lost its port to another
+process starts again on another port, and no other failure is retried."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import pytest
 
 from nosa.bench.server.process import ServerProcess
 
@@ -53,3 +56,66 @@ def test_pause_resume_and_stop_a_paused_server():
     finally:
         if server.proc.poll() is None:
             os.killpg(server.proc.pid, 9)
+
+
+# A stand-in for SGLang's launcher: binds --port late and answers /health; when the port is taken it
+# fails the way uvicorn does (the message ServerProcess looks for) and exits 3.
+STANDIN = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+except OSError:
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+          "address already in use", flush=True)
+    sys.exit(3)
+server.serve_forever()
+"""
+
+
+class StandInServer(ServerProcess):
+    def _command(self) -> list[str]:
+        return [sys.executable, "-c", STANDIN, "--port", str(self.port)]
+
+
+def test_a_start_that_lost_its_port_starts_again_on_another(tmp_path, monkeypatch):
+    import socket
+    import urllib.request
+
+    from nosa.bench.server import process
+    from nosa.net import free_port
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()  # another process holds this port when the server gets to bind it
+    ports = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(process, "free_port", lambda: next(ports, None) or free_port())
+    server = StandInServer("ckpt", [], str(tmp_path / "server.log"))
+    try:
+        assert server.port == taken.getsockname()[1]
+        server.wait_ready(timeout=60)
+        assert server.port != taken.getsockname()[1]
+        with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+            assert r.status == 200
+        log = (tmp_path / "server.log").read_text()
+        assert "address already in use" in log and "starting again" in log
+    finally:
+        server.stop(timeout=10)
+        taken.close()
+
+
+def test_a_server_that_fails_otherwise_is_not_started_again(tmp_path, monkeypatch):
+    class Failing(ServerProcess):
+        def _command(self) -> list[str]:
+            return [sys.executable, "-c", "import sys; print('ValueError: malformed nosa section'); sys.exit(1)"]
+
+    server = Failing("ckpt", [], str(tmp_path / "server.log"))
+    try:
+        with pytest.raises(RuntimeError, match="(?s)exited with 1:.*malformed nosa section"):
+            server.wait_ready(timeout=30)
+        assert "starting again" not in (tmp_path / "server.log").read_text()
+    finally:
+        server.stop(timeout=10)

@@ -35,25 +35,52 @@ def cpu_binding(ranks: int) -> str:
 class ServerProcess:
     """``python -m sglang.launch_server`` on 127.0.0.1; ``start()`` returns once /health answers."""
 
+    # The port is free when chosen, but SGLang binds it only at the end of its start-up (a minute on a
+    # busy machine), while the other servers starting meanwhile take ports of their own: a start that
+    # lost its port that way is retried on another one, up to this many times.
+    PORT_RETRIES = 3
+
     def __init__(self, model_path: str, args: list[str], log_path: str, env: dict | None = None,
                  device: str = "cpu"):
         self.model_path = model_path
+        self.log_path = log_path
+        self._args, self._device = args, device
+        self._env = dict(os.environ, **(env or {}))
+        if device == "cpu":
+            self._env["SGLANG_USE_CPU_ENGINE"] = "1"
+        self._log = open(log_path, "w")
+        self._retries = self.PORT_RETRIES
+        self._start()
+
+    def _start(self) -> None:
+        """Launch the server on a port free now; its output goes to the log (appended on a retry)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-               "--host", "127.0.0.1", "--port", str(self.port), "--device", device, *args]
-        child_env = dict(os.environ, **(env or {}))
-        if device == "cpu":
-            child_env["SGLANG_USE_CPU_ENGINE"] = "1"
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=child_env,
+        self._log_start = self._log.tell()
+        self.proc = subprocess.Popen(self._command(), stdout=self._log, stderr=subprocess.STDOUT, env=self._env,
                                      start_new_session=True)
+
+    def _command(self) -> list[str]:
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+                "--host", "127.0.0.1", "--port", str(self.port), "--device", self._device, *self._args]
+
+    def _lost_its_port(self) -> bool:
+        """Whether the server, which has exited, failed to bind its HTTP port."""
+        self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            f.seek(self._log_start)
+            return f"('127.0.0.1', {self.port}): address already in use" in f.read()
 
     def wait_ready(self, timeout: float = 240.0) -> "ServerProcess":
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
+                if self._retries > 0 and self._lost_its_port():
+                    self._retries -= 1
+                    self._log.write(f"\n[nosa.bench] port {self.port} was taken meanwhile: starting again\n")
+                    self._log.flush()
+                    self._start()
+                    continue
                 raise RuntimeError(f"SGLang server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
