@@ -6,7 +6,6 @@ seeds; its table and plot."""
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import sys
 import time
@@ -189,8 +188,7 @@ def run(args) -> int:
         "decode_steps": "every token of the question and its answers, per layer and KV head",
         "spread": "mean and [min, max] over the runs (training seeds)",
         "results": results,
-        "env": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-                "cpus": os.cpu_count(), "quick": args.quick},
+        "quick": args.quick,
     }
     write_result(args.out, report)
     print(table(results))

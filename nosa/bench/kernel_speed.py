@@ -244,7 +244,7 @@ def run(args) -> None:
     repeats = 5 if args.quick else 20
     sections = [s for s in args.only.split(",") if s]
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-              "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "threads": torch.get_num_threads(),
               "shape": {k: str(v) for k, v in shape.items()}}
     for section in sections:
         rows = []

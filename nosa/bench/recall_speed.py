@@ -124,7 +124,7 @@ def run(args) -> None:
         print(json.dumps(row), flush=True)
     result = {
         "device": torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
-        "threads": torch.get_num_threads(), "load_average_1min": os.getloadavg()[0], "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "load_average_1min": os.getloadavg()[0],
         "block": args.block,
         "head_dim": args.head_dim, "dtype": "bfloat16", "host_items": host_items,
         "link_gbps": link_gbps(cuda, repeats), "rows": rows,

@@ -5,9 +5,7 @@ in alternating rounds (eager or compiled), and one variant in consecutive chunks
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
@@ -113,8 +111,7 @@ def run(args) -> None:
     """The parts and shapes of ``args`` (as scripts/bench_resolve.py parses them) in one torch thread,
     each round printed as it is measured; the report written to ``args.out``, its ratios printed."""
     torch.set_num_threads(1)
-    report = {"command": " ".join(sys.argv), "threads": 1, "cpus": os.cpu_count(), "resolve": [], "compiled": [],
-              "drift": []}
+    report = {"threads": 1, "resolve": [], "compiled": [], "drift": []}
     with torch.inference_mode():
         for name in args.shapes:
             steps = args.steps or (40 if name == "tiny" else 8)

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
@@ -231,7 +230,7 @@ def run(args) -> None:
               "llama 2 layers, hidden 256, GQA 8/2, fp32, random weights",
               "checkpoints": dict(checkpoints), "prompts": args.prompts,
               "nosa_config": cfg.to_dict(), "evict_scale": None if args.checkpoint else args.evict_scale,
-              "device": "cpu", "cpus": os.cpu_count(), "threads": args.threads, "command": " ".join(sys.argv),
+              "device": "cpu", "threads": args.threads,
               "variants": {v: VARIANTS[v] for v in args.backends},
               "results": results}
     by_round = [ratios([r for r in main_rows if r["round"] == k], args.contexts, args.tp_sizes)

@@ -9,7 +9,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
@@ -127,7 +126,7 @@ def run(args) -> None:
                 times[name].append(dt)
                 cpu[name].append(dc)
     result = {
-        "command": " ".join(sys.argv), "config": os.path.relpath(args.config, REPO), "overrides": args.overrides,
+        "config": os.path.relpath(args.config, REPO), "overrides": args.overrides,
         "device": "cpu", "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "seq_len": cfg.seq_len, "micro_batch": cfg.micro_batch, "nosa_config": cfg.nosa.to_dict(),
         "model": {k: v for k, v in spec.items()}, "evict_scale": args.evict_scale,

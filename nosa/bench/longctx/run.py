@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import time
 
 import torch
@@ -100,8 +99,7 @@ def run(args, counts: dict[int, int]) -> dict:
                                      for v in variants[:3]))
     perplexity = measure_perplexity(args, variants, tokenizer, heldout, cache, bases)
     return summarise(args, counts, variants, records, perplexity, seconds,
-                     env={"torch": torch.__version__, "python": platform.python_version(),
-                          "cpus": os.cpu_count(), "threads": torch.get_num_threads()},
+                     env={"threads": torch.get_num_threads()},
                      seconds_total=time.perf_counter() - t_start)
 
 

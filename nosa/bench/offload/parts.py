@@ -9,7 +9,6 @@ import math
 import os
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -254,7 +253,7 @@ def run(args) -> None:
     """The parts ``args.parts`` (as scripts/bench_offload.py parses them) in that order, each row
     printed as it is measured; the report written to ``args.out``."""
     work = tempfile.mkdtemp(prefix="nosa_offload_")
-    report = {"command": " ".join(sys.argv), "device": "cpu", "cpus": os.cpu_count(), "threads": args.threads}
+    report = {"device": "cpu", "threads": args.threads}
     ckpt = None
     if {"capacity", "decode", "schedule", "trace"} & set(args.parts):
         ckpt = os.path.join(work, "tiny-llama")
