@@ -47,9 +47,9 @@ def _attach_folder_packages() -> None:
 _attach_folder_packages()
 
 
-# convert and from_pretrained are the public names of nosa.hf_models' functions, wrapped here (not
-# re-exported) because nosa.hf_models imports transformers and `import nosa` must not; the project's
-# own code calls nosa.hf_models directly.
+# convert and from_pretrained are the one route to nosa.hf_models' functions (the project's own code
+# calls them too), wrapped here rather than re-exported because nosa.hf_models imports transformers
+# and `import nosa` must not.
 def convert(model, config: NosaConfig | None = None):
     """Turn a transformers Llama / Qwen2 / Qwen3 causal LM into NOSA in place (see nosa.hf_models.convert)."""
     from nosa.hf_models import convert as _convert  # optional: transformers (import nosa needs only torch)

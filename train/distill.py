@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import nosa
 from nosa.compress import compress_windows
 from nosa.config import NosaConfig
 from nosa.eviction import MODULE_NAME
@@ -74,15 +75,13 @@ def fit_eviction_heads(
 def capture_fit_inputs(model, rows, cfg: NosaConfig, answer_weight: float = 1.0, progress: bool = False) -> dict:
     """What the fit reads, per attention module name: a list over ``rows`` of (v [L, Hkv, D],
     target [L, Hkv], valid [L, Hkv]) on the CPU (``attention_targets`` of the dense attention)."""
-    from nosa.hf_models import convert  # optional: transformers, after nosa.train sets HF_HUB_OFFLINE
-
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     data: dict[str, list] = {}
     # the targets are the dense model's attention: every layer runs densely while its inputs are
     # captured (A is still 0 and every row is within dense_len), so later layers see dense inputs
-    convert(model, dataclasses.replace(cfg, dense_len=max(len(row["input_ids"]) for row in rows)))
+    nosa.convert(model, dataclasses.replace(cfg, dense_len=max(len(row["input_ids"]) for row in rows)))
     with torch.no_grad():
         for row in tqdm(rows, desc="fit: dense attention", unit="row", disable=not progress, dynamic_ncols=True):
             ids = first_document(row["input_ids"], row["position_ids"])
@@ -96,7 +95,7 @@ def capture_fit_inputs(model, rows, cfg: NosaConfig, answer_weight: float = 1.0,
                 attn = model.get_submodule(name)
                 target, valid = attention_targets(q.cpu(), k.cpu(), cfg, attn.scaling, weight)
                 data.setdefault(name, []).append((v.cpu(), target, valid))
-    convert(model, cfg)
+    nosa.convert(model, cfg)
     model.train(was_training)
     return data
 

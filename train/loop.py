@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import nosa
 from nosa.train import checkpoint, synthetic
 from nosa.train.config import TrainConfig
 from nosa.train.data import batch_at, build_rows, offline_env, prepare_ruler, prepare_synthetic
@@ -104,9 +105,7 @@ def run(cfg: TrainConfig) -> dict:
         if end <= max(start, state["step"]):  # empty, or done before the resume point
             continue
         if name == "nosa" and not is_nosa(model.config):
-            from nosa.hf_models import convert  # optional: transformers, after nosa.train sets HF_HUB_OFFLINE
-
-            convert(model, cfg.nosa)  # A = 0: the converted model starts as training-free selection
+            nosa.convert(model, cfg.nosa)  # A = 0: the converted model starts as training-free selection
             print0(f"converted to NOSA: {cfg.nosa}")
             if cfg.distill.rows:
                 fitted = fit_eviction_heads(model, rows.select(range(min(cfg.distill.rows, len(rows)))), cfg.nosa,
