@@ -9,7 +9,6 @@ module) are listed with dotted names (``optim.lr``). The variables come from ``n
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import io
 import re
@@ -18,6 +17,8 @@ import tokenize
 from pathlib import Path
 from typing import Any, Callable
 
+from nosa import env
+from nosa.bench.report_tables import table
 from nosa.config import NosaConfig
 from nosa.train.config import TrainConfig
 
@@ -126,15 +127,10 @@ def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
 @renders
 def train_config(root: Path) -> str:
     rows = field_rows(TrainConfig, stop=(NosaConfig,))
-    return (_table(["key", "type", "default", "meaning"], rows)
+    return (table(["key", "type", "default", "meaning"], rows)
             + "\n\nGenerated from the fields of `nosa.train.config.TrainConfig` and their comments; "
             "`nosa` is a [NosaConfig](algorithm.md#nosaconfig).")
 
@@ -142,20 +138,16 @@ def train_config(root: Path) -> str:
 @renders
 def nosa_config(root: Path) -> str:
     rows = field_rows(NosaConfig)
-    return (_table(["field", "type", "default", "meaning"], rows)
+    return (table(["field", "type", "default", "meaning"], rows)
             + "\n\nGenerated from the fields of `nosa.config.NosaConfig` and their comments.")
 
 
 @renders
 def env_vars(root: Path) -> str:
-    try:
-        env = importlib.import_module("nosa.env")
-    except ModuleNotFoundError:
-        return "(`nosa.env` is not there yet: this table is generated from `nosa.env.VARIABLES`.)"
     rows = []
     for var in env.VARIABLES:
-        used = var.used_by if isinstance(var.used_by, str) else ", ".join(var.used_by)
+        used = ", ".join(var.used_by)
         default = "unset" if var.default in (None, "") else f"`{var.default}`"
         rows.append([f"`{var.name}`", default, _escape(" ".join(str(var.meaning).split())), used])
-    return (_table(["variable", "default", "meaning", "read by"], rows)
+    return (table(["variable", "default", "meaning", "read by"], rows)
             + "\n\nGenerated from `nosa.env.VARIABLES`.")
