@@ -8,7 +8,7 @@ tensors only with TRITON_INTERPRET=1 set before triton is imported: tests, ~1 ms
 ``flashinfer`` (nosa.kernels.flashinfer_decode; CUDA and bf16/fp16 only, a clear error
 otherwise); ``NOSA_KERNELS=reference`` still forces the reference. Every op validates shapes and
 dtypes before it launches and raises ValueError naming the argument. The one module of nosa/ that
-imports kernels/ (import nosa does not load it).
+imports kernels/ (nosa/bench's kernel benchmarks aside; import nosa does not load it).
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ if [[ "$DEVICE" == cpu ]]; then
     for arg in "$@"; do
         [[ "$arg" == --max-total-tokens || "$arg" == --max-total-tokens=* ]] && given=1
     done
-    offload="$(printf '%s' "${NOSA_OFFLOAD:-0}" | tr '[:upper:]' '[:lower:]')"
+    # NOSA_OFFLOAD read as nosa.env.flag reads it: spaces stripped, any case
+    offload="$(printf '%s' "${NOSA_OFFLOAD:-0}" | tr -d '[:space:]' | tr '[:upper:]' '[:lower:]')"
     if [[ $given == 0 && ! "$offload" =~ ^(1|true|on)$ ]]; then
         TOKENS="${MAX_TOTAL_TOKENS:-65536}"
         ARGS+=(--max-total-tokens "$TOKENS")

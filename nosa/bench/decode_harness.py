@@ -85,9 +85,9 @@ class DecodeHarness:
         with torch.no_grad():
             prompt_cis = [head(v.to(self.device)).float() for head, v in zip(self.heads, prompt_v)]
         registry = RequestRegistry(SimpleNamespace(req_generation=[0] * rows), num_layers, num_slots,
-                                 StatePool(cfg, num_layers, rows, hkv, head_dim, max_context,
-                                                 pages_for(cfg, num_slots, rows), torch.float32, self.device,
-                                                 key_tails=offload))
+                                   StatePool(cfg, num_layers, rows, hkv, head_dim, max_context,
+                                             pages_for(cfg, num_slots, rows), torch.float32, self.device,
+                                             key_tails=offload))
         self.states = registry
         if offload:
             def host(x):  # [slots, Hkv, ...] -> page-major [P, Hkv, B, ...]
@@ -132,10 +132,10 @@ class DecodeHarness:
         last step (its prompt + 1 for the first), written into the runner's inputs; the host half."""
         lengths = [self.lengths[r - 1] + 1 if r else 1 for r in rows]
         groups_of = self.engine.groups_of if self.offload else None
-        step = ForwardMetadata.decode_of(rows, lengths, self.req_to_token, groups_of)
+        metadata = ForwardMetadata.decode_of(rows, lengths, self.req_to_token, groups_of)
         self.states.pool.recycle()
-        warm = self.engine.begin(step) if self.offload else None
-        self.decode.prepare(step, warm)
+        warm = self.engine.begin(metadata) if self.offload else None
+        self.decode.prepare(metadata, warm)
         n = len(rows)
         self.runner_rows[:n].copy_(torch.tensor(rows))
         self.runner_lengths[:n].copy_(torch.tensor(lengths))

@@ -59,7 +59,7 @@ class RecallScheduler:
             raise ValueError(f"RecallScheduler: chunk_items must be >= 1, got {chunk_items}")
         self.num_layers, self.chunk_items = num_layers, chunk_items
         self._delay = delay
-        self._copy = copy_fn or _copy_items
+        self._copy = copy_fn or ops.copy_items
         self._queue: list[Transfer] = []
         self._cv = threading.Condition()
         self._closed = False
@@ -247,6 +247,3 @@ class RecallScheduler:
             self._copy(job.dst, job.src, job.dst_idx[lo:hi], job.src_idx[lo:hi])
         return time.perf_counter() - start
 
-
-def _copy_items(dst, src, dst_idx, src_idx) -> None:
-    ops.copy_items(dst, src, dst_idx, src_idx)

@@ -19,7 +19,7 @@ STALE_SLOT = 1  # holds a block this step does not want: evicted for the miss
 KEPT_SLOT = 2  # holds a block this step wants
 NO_COLUMN = 3  # an extra slot (admission) with no borrowed column behind it
 
-# the device counters of one layer, in the order ``step_counts`` adds them
+# the device counters of one layer, in the order of ``step_counts``' result (the cache adds it to them)
 COUNT_KEYS = ("steps", "selected", "hits", "misses", "warm_selected", "warm_hits", "prefetch_hits")
 
 

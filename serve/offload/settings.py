@@ -26,12 +26,12 @@ ENV_ADMISSION = "NOSA_ADMISSION"
 
 
 def offload_enabled() -> bool:
-    with _backend_errors():
+    with backend_errors():
         return env.flag(ENV_OFFLOAD)
 
 
 @contextmanager
-def _backend_errors():
+def backend_errors():
     """nosa.env's ValueErrors (naming the variable, its value, what is expected), prefixed as the
     backend's other start-up errors are."""
     try:
@@ -57,7 +57,7 @@ class OffloadSettings:
 
     @classmethod
     def from_env(cls) -> "OffloadSettings":
-        with _backend_errors():
+        with backend_errors():
             return cls(
                 host_tokens=_required(ENV_HOST_TOKENS, env.integer(ENV_HOST_TOKENS, minimum=1)),
                 device_tokens=_required(ENV_DEVICE_TOKENS, env.integer(ENV_DEVICE_TOKENS, minimum=1)),

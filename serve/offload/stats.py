@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from nosa import env
+from nosa.serve.offload.settings import backend_errors
 from nosa.wandb_log import Logger
 
 ENV_WANDB = "NOSA_SERVE_WANDB"
@@ -136,10 +137,8 @@ def _flat(record: dict) -> dict:
 
 def _wandb_logger():
     """The W&B logger $NOSA_SERVE_WANDB asks for (None: disabled), into $NOSA_SERVE_WANDB_DIR."""
-    try:
+    with backend_errors():
         mode = env.choice(ENV_WANDB)
-    except ValueError as err:  # prefixed as the backend's other start-up errors are
-        raise ValueError(f"nosa backend: {err}") from None
     if mode in ("0", "off", "disabled"):
         return None
     out = os.path.abspath(env.path(ENV_WANDB_DIR))  # default: runs/serve in the working directory
