@@ -61,10 +61,10 @@ def bench_hitrate(args, work) -> dict:
             server.stop()
     summary = {}
     for length in lengths:
-        by = {r["selection"]: r for r in rows if r["context"] == length}
+        nosa_row, a0_row = (_row(rows, length, selection=s) for s in ("nosa", "a0"))
         summary[str(length)] = {
-            "hit_rate_nosa": by["nosa"]["warm_hit_rate"], "hit_rate_a0": by["a0"]["warm_hit_rate"],
-            "recalled_bytes_nosa_over_a0": round(by["nosa"]["warm_misses"] / max(by["a0"]["warm_misses"], 1), 3),
+            "hit_rate_nosa": nosa_row["warm_hit_rate"], "hit_rate_a0": a0_row["warm_hit_rate"],
+            "recalled_bytes_nosa_over_a0": round(nosa_row["warm_misses"] / max(a0_row["warm_misses"], 1), 3),
         }
     return {"checkpoint": args.checkpoint, "nosa_config": cfg.to_dict(), "rows": rows, "summary": summary}
 
@@ -129,10 +129,8 @@ def bench_decode(args, work, ckpt) -> dict:
                 rows.append(row)
         finally:
             server.stop()
-    ratio = {}
-    for context in contexts:
-        by = {r["offload"]: r for r in rows if r["context"] == context}
-        ratio[str(context)] = round(by["off"]["ms_per_decode_step"] / by["on"]["ms_per_decode_step"], 3)
+    ratio = {str(c): round(_row(rows, c, offload="off")["ms_per_decode_step"]
+                           / _row(rows, c, offload="on")["ms_per_decode_step"], 3) for c in contexts}
     return {"rows": rows, "speed_on_over_off": ratio}
 
 
@@ -273,3 +271,8 @@ def run(args) -> None:
             plot(load_timeline(args.timeline), args.dashboard, "nosa serving dashboard (trace, admission on)")
     write_result(args.out, report)
     print(f"wrote {args.out}")
+
+
+def _row(rows: list[dict], context: int, **where) -> dict:
+    """The one row at ``context`` whose fields equal ``where`` (e.g. offload="on")."""
+    return next(r for r in rows if r["context"] == context and all(r[k] == v for k, v in where.items()))
