@@ -1,12 +1,21 @@
-"""Long-context suite for a real pretrained model (RULER-style, generated here): dense vs training-free
-selection (A = 0) at 1/4 and 1/8 of the blocks vs NOSA checkpoints, side by side on the same examples.
+"""Long-context benchmark for a real pretrained model: dense vs training-free selection (A = 0) at 1/4
+and 1/8 of the blocks vs NOSA checkpoints, side by side on the same examples, on NVIDIA's RULER or
+on the project's own RULER-style suite.
 
     python -m nosa.models smollm2 --out models/smollm2-135m               # once: the model
-    python scripts/bench_longctx.py --quick                               # 4 examples per task at 2K
-    python scripts/bench_longctx.py --plot results/longctx.png            # 2K, 4K, 8K
+    python scripts/bench_longctx.py --suite ruler --quick                 # RULER, 1 example per task at 2K
+    python scripts/bench_longctx.py --suite ruler --plot results/ruler.png
+    python scripts/bench_longctx.py --quick                               # own suite, 4 examples per task at 2K
+    python scripts/bench_longctx.py --plot results/longctx.png            # own suite, 2K, 4K, 8K
     python scripts/bench_longctx.py --nosa fitted=runs/smollm2/nosa       # + NOSA checkpoints (LABEL=PATH)
 
-Examples: nosa.train.ruler's tasks (passkey, single / multi-key / multi-value needles, variable
+``--suite ruler``: NVIDIA's RULER (nvidia-long-context-eval 26.3): its 13 task configurations, written
+by its own generators with the model's tokenizer (seed 42, as its prepare.py) and kept under
+runs/ruler-data, scored by its own metrics (string_match_all; string_match_part for qa), per example
+in [0, 1]. What runs differently from a stock RULER run (an untrained sentence splitter, the model's
+chat template) is in nosa/bench/longctx/nvidia_ruler.py and docs/benchmarks.md.
+
+``--suite nosa`` (default): nosa.train.ruler's tasks (passkey, single / multi-key / multi-value needles, variable
 tracking, a question answered by one sentence) over held-out prose from nosa.train.prose (only the
 sources every CPython ships, so the examples are the same on any install of one Python version).
 Each example is one chat turn through the model's template; the reply is greedy and scored by
@@ -57,8 +66,10 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 from nosa.bench.longctx.config import PICKS, budget_config, picks_share  # noqa: E402
 from nosa.bench.longctx.run import run  # noqa: E402
+from nosa.bench.longctx.suites import SEEDS, SUITES, task_names  # noqa: E402
 from nosa.bench.longctx.summary import drop_variants, merge, write_report  # noqa: E402
-from nosa.train import ruler  # noqa: E402
+
+EXAMPLES = {"nosa": [12, 10, 4], "ruler": [3, 2, 1]}  # per task at 2K, 4K, 8K (docs/benchmarks.md: the times)
 
 
 def main(argv=None) -> int:
@@ -67,10 +78,14 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="models/smollm2-135m", help="dense HF checkpoint (python -m nosa.models)")
     parser.add_argument("--nosa", nargs="+", metavar="[LABEL=]CKPT", help="NOSA checkpoints to add as variants")
+    parser.add_argument("--suite", choices=SUITES, default="nosa",
+                        help="ruler: NVIDIA's RULER; nosa: the project's own RULER-style tasks (default)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
-    parser.add_argument("--examples", type=int, nargs="+", default=[12, 10, 4],
-                        help="examples per task at each length (one number: the same at every length)")
-    parser.add_argument("--tasks", nargs="+", default=list(ruler.TASKS), choices=ruler.TASKS)
+    parser.add_argument("--examples", type=int, nargs="+",
+                        help="examples per task at each length (one number: the same at every length; default "
+                             f"{' '.join(map(str, EXAMPLES['nosa']))} for nosa, "
+                             f"{' '.join(map(str, EXAMPLES['ruler']))} for ruler)")
+    parser.add_argument("--tasks", nargs="+", help="a subset of the suite's tasks (default: all of them)")
     parser.add_argument("--shares", type=int, nargs="+", default=[4, 8], help="budgets: 1/SHARE of the blocks")
     parser.add_argument("--picks", type=picks_share, nargs="+", default=[PICKS], metavar="FRACTION",
                         help="free query-aware picks as a share of the budget (several: one variant per NOSA "
@@ -82,10 +97,13 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill", choices=("dense", "sparse"), default="dense")
     parser.add_argument("--ppl-windows", type=int, default=3,
                         help="held-out windows of the longest length (0: no perplexity)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="4 examples per task at the shortest length, 1 window")
+    parser.add_argument("--seed", type=int, help="examples' seed (default 0 for nosa; RULER's 42 for ruler)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the shortest length only, 1 window; 4 examples per task (nosa) or 1 (ruler)")
     parser.add_argument("--cache", default="runs/bench-cache", help="dense results cache ('' to turn it off)")
-    parser.add_argument("--out", default="results/longctx.json")
+    parser.add_argument("--ruler-data", default="runs/ruler-data",
+                        help="--suite ruler: where RULER's generated rows are kept (read back by later runs)")
+    parser.add_argument("--out", help="JSON report (default results/longctx.json, or results/ruler.json)")
     parser.add_argument("--plot", metavar="PNG", help="also draw accuracy, recalls and hit rate per length")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="run nothing: join reports into --out, its tables and --plot: reports of other "
@@ -95,6 +113,14 @@ def main(argv=None) -> int:
                         help="with --merge: leave out the variants whose name contains TEXT (e.g. an earlier "
                              "checkpoint's, when a new one is added)")
     args = parser.parse_args(argv)
+    known = task_names(args.suite)
+    wrong = [t for t in args.tasks or [] if t not in known]
+    if wrong:
+        parser.error(f"--tasks: {wrong} are not tasks of the {args.suite} suite; its tasks: {' '.join(known)}")
+    args.tasks = args.tasks or list(known)
+    args.seed = args.seed if args.seed is not None else SEEDS[args.suite]
+    args.out = args.out or f"results/{'longctx' if args.suite == 'nosa' else 'ruler'}.json"
+    args.examples = args.examples or EXAMPLES[args.suite]
     if args.merge:
         reports = []
         for path in args.merge:
@@ -111,7 +137,7 @@ def main(argv=None) -> int:
     if args.ppl_windows < 0:
         parser.error(f"--ppl-windows must be 0 or more, got {args.ppl_windows}")
     if args.quick:
-        args.lengths, args.examples, args.ppl_windows = [min(args.lengths)], [4], 1
+        args.lengths, args.examples, args.ppl_windows = [min(args.lengths)], [4 if args.suite == "nosa" else 1], 1
     counts = args.examples * len(args.lengths) if len(args.examples) == 1 else args.examples
     if len(counts) != len(args.lengths):
         raise SystemExit(f"bench_longctx: --examples needs one number or one per length ({len(args.lengths)})")

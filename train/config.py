@@ -73,6 +73,10 @@ class DataSection:
     loss_on: str = "all"  # "all" tokens or only the answer "targets" (examples with targets spans)
     # weight of an answer token against any other labelled token in the loss (1: the plain mean)
     answer_weight: float = 1.0
+    # Self-distillation beside the token loss: the weight of the KL divergence from the frozen
+    # starting model (model.path) to the trained one, per next-token distribution, averaged over
+    # every position of the row (0: off). It keeps what the model knew while it learns the task.
+    kl_weight: float = 0.0
     num_proc: int = 1  # processes that tokenize the files (datasets.map)
 
 
@@ -220,6 +224,10 @@ class TrainConfig:
                              "expected a weight >= 0 and a positive temperature")
         if not self.data.answer_weight > 0:
             raise ValueError(f"data.answer_weight={self.data.answer_weight}: expected a positive number")
+        if not self.data.kl_weight >= 0:
+            raise ValueError(f"data.kl_weight={self.data.kl_weight}: expected 0 (off) or a positive weight")
+        if self.data.kl_weight and not self.model.path:
+            raise ValueError("data.kl_weight needs model.path: the teacher is the pretrained model the run starts from")
         if self.data.loss_on not in ("all", "targets"):
             raise ValueError(f"data.loss_on={self.data.loss_on!r}: use all or targets")
         if self.wandb.mode not in (None, "offline", "online", "disabled"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -22,7 +22,7 @@ from nosa.train.config import TrainConfig
 from nosa.train.data import batch_at, build_rows, offline_env, prepare_ruler, prepare_synthetic
 from nosa.train.distill import fit_eviction_heads
 from nosa.train.engine import ds_config, init_distributed, initialize, zero_stage
-from nosa.train.loss import weighted_loss
+from nosa.train.loss import kl_to_teacher, weighted_loss
 from nosa.train.metrics import evaluate, selection_stats
 from nosa.train.model import build_model, eviction_scales, is_nosa, load_model, param_groups
 from nosa.train.tokenizer import load_tokenizer
@@ -86,6 +86,12 @@ def run(cfg: TrainConfig) -> dict:
         model = build_model(cfg.model.build, tokenizer)
     if is_nosa(model.config) and state["step"] < cfg.dense_steps:
         raise ValueError(f"dense_steps={cfg.dense_steps} but the model is already NOSA; set dense_steps=0")
+    teacher = None  # self-distillation: the pretrained model as it was, frozen (also when resuming)
+    if cfg.data.kl_weight:
+        teacher = load_model(cfg.model.path).eval().requires_grad_(False).to(device)
+        if is_nosa(teacher.config):
+            raise ValueError(f"data.kl_weight: the teacher {cfg.model.path} is a NOSA checkpoint; "
+                             "self-distillation starts from a dense model")
 
     # ---- derived numbers ------------------------------------------------------------------------
     tokens_per_step = cfg.micro_batch * cfg.grad_accum * world * cfg.seq_len  # every curriculum stage too
@@ -128,7 +134,7 @@ def run(cfg: TrainConfig) -> dict:
         phase = Phase(
             name=name, end=end, engine=engine, cfg=cfg, rows_at=rows_at, eval_rows=eval_rows, tokenizer=tokenizer,
             logger=logger, print0=print0, state=state, rank=rank, world=world, tokens_per_step=tokens_per_step,
-            zero_stage=stage,
+            zero_stage=stage, teacher=teacher,
         )
         last = phase.run()
     logger.finish()
@@ -154,6 +160,8 @@ class Phase:
     world: int
     tokens_per_step: int  # micro_batch * grad_accum * world * seq_len
     zero_stage: int  # a ZeRO-3 checkpoint gathers the partitioned parameters first
+    teacher: Any | None = None  # the frozen dense model of data.kl_weight, or None
+    parts: dict = field(default_factory=dict)  # the last step's loss terms (train/ce, train/kl)
 
     def run(self) -> dict:
         """Train up to ``end``; returns the last step's metrics."""
@@ -178,6 +186,7 @@ class Phase:
                 "train/tokens_per_s": self.tokens_per_step / dt,
                 "train/tokens": state["tokens"],
                 "train/phase": int(self.name == "nosa"),
+                **self.parts,
                 **lrs,
             }
             metrics.update(self.measure(done, last_step))
@@ -199,18 +208,29 @@ class Phase:
         length, micro_batch = cfg.stage_at(step)
         rows = self.rows_at[length]
         loss_sum = torch.zeros((), device=device)
+        kl_sum = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
             batch = batch_at(rows, step, micro, cfg.grad_accum, micro_batch, self.rank, self.world, cfg.seed)
             # position_ids restart per packed document and, with no cache, give both the dense and
             # the NOSA attention a per-document mask (nosa.train.data)
-            out = engine(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
-                         use_cache=False)
+            inputs = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device),
+                      "use_cache": False}
+            out = engine(**inputs)
             micro_loss = weighted_loss(out.logits, batch["labels"].to(device), batch["answers"].to(device),
                                        cfg.data.answer_weight)
+            if self.teacher is not None:
+                with torch.no_grad():
+                    teacher_logits = self.teacher(**inputs).logits
+                kl = kl_to_teacher(out.logits, teacher_logits)
+                kl_sum += kl.detach()
+                micro_loss = micro_loss + cfg.data.kl_weight * kl
             engine.backward(micro_loss)
             engine.step()  # DeepSpeed applies the update only at the last micro batch of the step
             loss_sum += micro_loss.detach().float()
         loss = loss_sum / cfg.grad_accum
+        if self.teacher is not None:
+            self.parts = {"train/kl": float(kl_sum) / cfg.grad_accum,
+                          "train/ce": float(loss) - cfg.data.kl_weight * float(kl_sum) / cfg.grad_accum}
         if self.world > 1:
             dist.all_reduce(loss)
             loss /= self.world

@@ -1,5 +1,7 @@
 """The training loss: next-token cross-entropy over the labelled tokens, the answer tokens of
-synthetic examples weighing ``data.answer_weight`` against the other labelled tokens.
+synthetic examples weighing ``data.answer_weight`` against the other labelled tokens; and, with
+``data.kl_weight``, the KL divergence from a frozen teacher's next-token distributions
+(``kl_to_teacher``: self-distillation from the model the run started from).
 
 One weight formula (``loss_weights``) serves both users: the fine-tune's ``weighted_loss`` and the
 eviction heads' fit (nosa.train.distill, through ``row_weights``), which weighs each row's
@@ -41,3 +43,18 @@ def weighted_loss(
     )
     weight = loss_weights(labels, answers, answer_weight)
     return (ce * weight.flatten()).sum() / weight.sum().clamp(min=1)
+
+
+def kl_to_teacher(logits: torch.Tensor, teacher_logits: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """KL(teacher || model) of the next-token distributions, summed over the vocabulary and averaged
+    over every position, a scalar. logits, teacher_logits [b, L, V]; computed ``chunk`` positions at
+    a time in float32 (a [L, V] float32 softmax of a 49K vocabulary is 400 MB at 2K tokens)."""
+    if logits.shape != teacher_logits.shape:
+        raise ValueError(f"kl_to_teacher: logits {tuple(logits.shape)} vs teacher {tuple(teacher_logits.shape)}")
+    flat, teacher = logits.flatten(0, 1), teacher_logits.detach().flatten(0, 1)
+    total = logits.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat.shape[0], chunk):
+        student = F.log_softmax(flat[start : start + chunk].float(), dim=-1)
+        target = F.log_softmax(teacher[start : start + chunk].float(), dim=-1)
+        total = total + F.kl_div(student, target, log_target=True, reduction="sum")
+    return total / flat.shape[0]

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from nosa.bench import report_reference, report_tables
+from nosa.bench import report_reference, report_ruler, report_tables  # noqa: F401 (report_ruler: its @renders register)
 
 BLOCK = re.compile(r"^<!-- report:(\w+) -->\n(.*?)^<!-- /report:\1 -->$", re.M | re.S)
 CITED = re.compile(r"results/[\w.-]+\.(?:json|png)")
@@ -46,6 +46,12 @@ def provenance_line(root: Path, name: str) -> str:
     dirty = " with uncommitted changes" if p.get("dirty") else ""
     recorded = f" (provenance recorded {p['recorded']})" if p.get("recorded") else ""
     note = f" {p['note']}" if p.get("note") else ""
+    parts = data.get("parts") or []
+    if parts:
+        commits = ", ".join(sorted({f"`{str(q.get('commit'))[:7]}`" for q in parts}))
+        dirty_parts = " with uncommitted changes" if any(q.get("dirty") for q in parts) else ""
+        note += (f" Joined from {len(parts)} runs at commit {commits}{dirty_parts}, {parts[0]['date']}; their "
+                 "commands are in the JSON's `parts`.")
     return (f"*Data:* `{name}` · `{p['command']}` · commit `{str(p.get('commit'))[:7]}`{dirty}, {p['date']} · "
             f"{', '.join(x for x in machine if x)}{recorded}.{note}")
 

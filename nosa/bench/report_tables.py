@@ -52,7 +52,7 @@ def share_text(s: dict) -> str:
 
 
 # ---- the headline (README and the results page) -------------------------------------------------
-@renders("results/accuracy.json", "results/longctx.json", "results/offload.json",
+@renders("results/accuracy.json", "results/longctx.json", "results/ruler.json", "results/offload.json",
          "results/serve_smollm2_8k_rank_short.json", "results/serve.json")
 def headline(root: Path) -> str:
     acc = {(r["variant"], r["length"]): r for r in load(root, "results/accuracy.json")["results"]}
@@ -65,6 +65,10 @@ def headline(root: Path) -> str:
     fitted = [get[("fitted, 1/4", n)] for n in suite["lengths"]]
     a0 = [get[("A = 0, 1/4", n)] for n in suite["lengths"]]
     ppl = {p["variant"]: p for p in suite["perplexity"]}
+    ruler = load(root, "results/ruler.json")
+    scored = {(r["variant"], r["length"]): r["task_mean"] for r in ruler["results"]}
+    ruler_scores = "; ".join(f"{n}: " + " / ".join(f"{100 * scored[(v, n)]:.1f}" for v in
+                                                   ("dense", "A = 0, 1/4", "A = 0, 1/8")) for n in ruler["lengths"])
     cap = load(root, "results/offload.json")["capacity"]
     onoff = paired_speed(load(root, "results/serve_smollm2_8k_rank_short.json"), "offload_sched_over_nosa")
     serve = load(root, "results/serve.json")["decode_speedup_nosa_over_torch_native"]
@@ -77,6 +81,8 @@ def headline(root: Path) -> str:
         ["SmolLM2-135M (its Q4_1 weights dequantized) long-context suite, 1/4 of the blocks: right answers, "
          "dense / A = 0 / fitted heads",
          answers, "`results/longctx.json`"],
+        [f"SmolLM2 on NVIDIA's RULER ({len(ruler['tasks'])} tasks, score 0-100 averaged over them): dense / "
+         "A = 0 at 1/4 / A = 0 at 1/8 of the blocks", ruler_scores, "`results/ruler.json`"],
         ["SmolLM2 suite, 1/4: hit rate of a cache = budget, fitted heads (A = 0)",
          f"{pct(min(r['hit_rate'] for r in fitted))}-{pct(max(r['hit_rate'] for r in fitted))} "
          f"({pct(min(r['hit_rate'] for r in a0))}-{pct(max(r['hit_rate'] for r in a0))})", "`results/longctx.json`"],

@@ -1,6 +1,7 @@
 """The training loss (nosa.train.loss): next-token cross-entropy with answer tokens weighed, and
 the per-row weights the eviction heads' fit takes from it, against plain torch cross-entropy."""
 
+import pytest
 import torch
 
 from nosa.train.loss import row_weights, weighted_loss
@@ -35,3 +36,21 @@ def test_row_weights_are_the_loss_weights():
     ce = torch.nn.functional.cross_entropy(logits[0], torch.cat([labels[0, 1:], labels[0, :1]]), reduction="none",
                                            ignore_index=-100)
     torch.testing.assert_close(weighted_loss(logits, labels, answers, 6.0), (ce * w).sum() / w.sum())
+
+
+def test_kl_to_teacher_is_the_mean_kl_per_position_and_trains_only_the_student():
+    from nosa.train.loss import kl_to_teacher
+
+    torch.manual_seed(0)
+    student = torch.randn(2, 5, 11, requires_grad=True)
+    teacher = torch.randn(2, 5, 11)
+    p = teacher.softmax(-1)
+    expected = (p * (p.log() - student.log_softmax(-1))).sum(-1).mean()
+    got = kl_to_teacher(student, teacher, chunk=3)  # chunks that straddle the rows
+    assert torch.allclose(got, expected, atol=1e-6)
+    assert torch.allclose(kl_to_teacher(student, teacher, chunk=100), expected, atol=1e-6)
+    assert float(kl_to_teacher(teacher, teacher)) == pytest.approx(0.0, abs=1e-6)
+    got.backward()
+    assert student.grad is not None and student.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="kl_to_teacher: logits"):
+        kl_to_teacher(student, teacher[:, :4])

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import nosa
 from nosa.bench.longctx.config import PICKS
+from nosa.bench.longctx.suites import make_suite
 from nosa.bench.longctx.summary import summarise
 from nosa.bench.longctx.variant import (
     PPL_TAIL,
@@ -23,7 +24,7 @@ from nosa.bench.longctx.variant import (
     run_variant,
     same_base,
 )
-from nosa.train import prose, ruler
+from nosa.train import prose
 
 
 def load_variants(args):
@@ -55,9 +56,10 @@ def run(args, counts: dict[int, int]) -> dict:
     variants, tokenizer, digest = load_variants(args)
     cache = DenseCache(args.cache or None, digest)
     _, heldout = prose.split(prose.documents(prose.FIXED_SOURCES))
-    haystack = ruler.Haystack(tokenizer, [d.text for d in heldout])
-    examples = [ex for length, n in counts.items() for task in args.tasks
-                for ex in ruler.make_examples(tokenizer, haystack, task, length, n, args.seed)]
+    suite = make_suite(args.suite, args.tasks, data_dir=args.ruler_data)
+    examples = [ex for length, n in counts.items()
+                for ex in suite.examples(tokenizer, args.model, length, n, args.seed)]
+    key_prefix = "reply" if suite.name == "nosa" else f"{suite.name}-reply"  # the nosa suite's keys predate RULER
     bases = {}  # base -> the model that prefills its contexts densely (the first variant's)
     for v in variants:
         bases.setdefault(v.base, v.model)
@@ -69,7 +71,7 @@ def run(args, counts: dict[int, int]) -> dict:
                   "reply": {}, "right": {}, "select": {}}
         kvs = {}
         for variant in variants:
-            key = f"reply:{ex.digest()}"
+            key = f"{key_prefix}:{ex.digest()}"
             if variant.share is None and cache.get(key):
                 hit = cache.get(key)
                 record["reply"][variant.name], record["right"][variant.name] = hit["reply"], hit["right"]
@@ -84,10 +86,10 @@ def run(args, counts: dict[int, int]) -> dict:
                                                                + time.perf_counter() - t0)
                     t0 = time.perf_counter()
                 kv = kvs[variant.base]
-            out = run_variant(variant, ex.length, ex, kv, tokenizer.eos_token_id, lambda tokens: ruler.is_settled(
-                tokenizer.decode(tokens, skip_special_tokens=True), ex.references))
+            out = run_variant(variant, ex.length, ex, kv, tokenizer.eos_token_id, lambda tokens: suite.settled(
+                tokenizer.decode(tokens, skip_special_tokens=True), ex))
             reply = tokenizer.decode(out["tokens"], skip_special_tokens=True)
-            right = ruler.is_right(reply, ex.references)
+            right = suite.score(reply, ex)
             record["reply"][variant.name], record["right"][variant.name] = reply, right
             if "select" in out:
                 record["select"][variant.name] = out["select"]
@@ -95,10 +97,10 @@ def run(args, counts: dict[int, int]) -> dict:
                 cache.put(key, {"reply": reply, "right": right})
             seconds[(variant.name, ex.length)] = seconds.get((variant.name, ex.length), 0) + time.perf_counter() - t0
         records.append(record)
-        bar.set_postfix_str(" ".join(f"{v.name.replace(' ', '')}={sum(r['right'].get(v.name, 0) for r in records)}"
+        bar.set_postfix_str(" ".join(f"{v.name.replace(' ', '')}={sum(r['right'].get(v.name, 0) for r in records):g}"
                                      for v in variants[:3]))
     perplexity = measure_perplexity(args, variants, tokenizer, heldout, cache, bases)
-    return summarise(args, counts, variants, records, perplexity, seconds,
+    return summarise(args, suite, counts, variants, records, perplexity, seconds,
                      env={"threads": torch.get_num_threads()},
                      seconds_total=time.perf_counter() - t_start)
 

@@ -25,16 +25,50 @@ def share(right: int, n: int) -> dict:
     return {"right": right, "n": n, "acc": right / n if n else 0.0, "lo": lo, "hi": hi}
 
 
-def summarise(args, counts, variants, records, perplexity, seconds, env, seconds_total) -> dict:
-    """The report written to --out: configuration, one result per (variant, length), perplexity and
-    every example's replies."""
+def paired(records: list[dict], variant: str, reference: str, z: float = 1.96) -> dict:
+    """Two variants on the same examples: the mean score difference (variant - reference, in points
+    of a 0-100 score) with a normal 95% interval over the examples' differences, and every example
+    where they differ."""
+    both = [r for r in records if variant in r["right"] and reference in r["right"]]
+    diffs = [float(r["right"][variant]) - float(r["right"][reference]) for r in both]
+    n = len(diffs)
+    mean = sum(diffs) / n if n else 0.0
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) if n > 1 else 0.0
+    half = z * sd / math.sqrt(n) if n else 0.0
+    return {"variant": variant, "vs": reference, "n": n, "points": 100 * mean,
+            "lo": 100 * (mean - half), "hi": 100 * (mean + half),
+            "better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs),
+            "differ": [{"task": r["task"], "index": r["index"], variant: r["right"][variant],
+                        reference: r["right"][reference]} for r, d in zip(both, diffs) if d]}
+
+
+def compare(report: dict) -> list[dict]:
+    """The report's paired comparisons, per length: each sparse variant with dense, and each NOSA
+    checkpoint with A = 0 at its budget."""
+    out = []
+    for length in report["lengths"]:
+        rows = [r for r in report["results"] if r["length"] == length]
+        records = [r for r in report["examples"] if r["length"] == length]
+        names = {r["variant"] for r in rows}
+        for r in rows:
+            if r.get("share") is None:  # dense (reports merged by the tests carry no share)
+                continue
+            a0 = f"A = 0, 1/{r['share']}"
+            for reference in ["dense"] + ([a0] if r["variant"] != a0 and a0 in names else []):
+                out.append(dict(paired(records, r["variant"], reference), length=length))
+    return out
+
+
+def summarise(args, suite, counts, variants, records, perplexity, seconds, env, seconds_total) -> dict:
+    """The report written to --out: configuration, one result per (variant, length), the paired
+    comparisons, perplexity and every example's replies."""
     results = []
     for length in counts:
         at = [r for r in records if r["length"] == length]
         for v in variants:
             done = [r for r in at if v.name in r["right"]]
             tasks = {t: share(sum(r["right"][v.name] for r in done if r["task"] == t),
-                              sum(1 for r in done if r["task"] == t)) for t in args.tasks}
+                              sum(1 for r in done if r["task"] == t)) for t in suite.tasks}
             row = {"variant": v.name, "length": length, "share": v.share,
                    "tasks": tasks, "all": share(sum(r["right"][v.name] for r in done), len(done)),
                    "task_mean": sum(t["acc"] for t in tasks.values()) / len(tasks),
@@ -55,18 +89,21 @@ def summarise(args, counts, variants, records, perplexity, seconds, env, seconds
     for p in perplexity:
         p["ppl"] = math.exp(p["nll"])
         p["ratio_to_dense"] = math.exp(p["nll"] - dense_nll) if dense_nll is not None else None
-    return {
+    report = {
+        "suite": suite.name,
         "model": args.model,
         "model_source": models.source(args.model),
         "prefill": args.prefill,
         "lengths": list(counts),
         "examples_per_task": {str(k): v for k, v in counts.items()},
-        "tasks": list(args.tasks),
+        "tasks": list(suite.tasks),
         "shares": list(args.shares),
         "picks": [str(p) for p in args.picks],
         "seed": args.seed,
-        "scoring": "exact match of every reference inside the normalised greedy reply (nosa.train.ruler.is_right)",
-        "spread": "Wilson 95% interval of each share of right answers",
+        "scoring": suite.scoring,
+        "spread": ("Wilson 95% interval of each mean score (for partial scores, RULER's string_match_all, it "
+                   "treats the mean as a share of right answers, which overstates the spread); paired: normal "
+                   "95% interval of the mean per-example difference"),
         "decode_steps": "the last prompt row, then each generated token; per layer and KV head",
         "context_prefill_seconds": {str(n): round(s, 1) for (name, n), s in seconds.items()
                                     if name == "context prefill"},
@@ -76,6 +113,8 @@ def summarise(args, counts, variants, records, perplexity, seconds, env, seconds
         "env": env,
         "seconds": round(seconds_total, 1),
     }
+    report["paired"] = compare(report)
+    return report
 
 
 def merge(reports: list[dict]) -> dict:
@@ -85,7 +124,7 @@ def merge(reports: list[dict]) -> dict:
     report that has A = 0; dense is in both and must agree). Perplexity: by lengths, from the report
     of the longest length that measured it; by variants, every variant's, against the first
     report's dense. "seconds" is the longest part and "seconds_parts" lists each part's."""
-    same = ("model", "prefill", "tasks", "shares", "picks", "seed")
+    same = ("suite", "model", "prefill", "tasks", "shares", "picks", "seed")
     first = reports[0]
     for r in reports[1:]:
         for key in same:
@@ -98,6 +137,9 @@ def merge(reports: list[dict]) -> dict:
     by_variants = len(reports) > 1 and all(new_variants(r) for r in reports[1:])
     out = _join_variants(reports) if by_variants else _join_lengths(reports)
     out.update(seconds=max(r["seconds"] for r in reports), seconds_parts=[r["seconds"] for r in reports])
+    # where each part came from (the merged report's own provenance is the --merge command's)
+    out["parts"] = [p for r in reports for p in (r.get("parts") or [r.get("provenance")]) if p]
+    out["paired"] = compare(out)
     return out
 
 
@@ -113,6 +155,7 @@ def drop_variants(report: dict, texts: list[str]) -> dict:
     out["perplexity"] = [p for p in report["perplexity"] if not gone(p["variant"])]
     out["examples"] = [dict(ex, **{key: {v: x for v, x in ex[key].items() if not gone(v)}
                                    for key in ("reply", "right", "select")}) for ex in report["examples"]]
+    out["paired"] = compare(out)
     return out
 
 
@@ -221,7 +264,16 @@ def targets_table(report: dict) -> str:
 
 
 def _pct(s: dict) -> str:
-    return f"{s['right']}/{s['n']} [{s['lo']:.0%}, {s['hi']:.0%}]"
+    return f"{s['right']:.4g}/{s['n']} [{s['lo']:.0%}, {s['hi']:.0%}]"
+
+
+def paired_table(report: dict) -> str:
+    """Markdown of the report's paired comparisons (the examples themselves are in the JSON)."""
+    out = ["| context | variant | vs | difference, points [95%] | examples better / worse |", "|---|---|---|---|---|"]
+    for p in report.get("paired", []):
+        out.append(f"| {p['length']} | {p['variant']} | {p['vs']} | {p['points']:+.1f} "
+                   f"[{p['lo']:+.1f}, {p['hi']:+.1f}] | {p['better']} / {p['worse']} of {p['n']} |")
+    return "\n".join(out)
 
 
 def tables(report: dict) -> str:
@@ -246,6 +298,8 @@ def tables(report: dict) -> str:
                 out.append(f"| {n} | {v} | {r['budget_blocks']} of {r['context_blocks']} | {r['all']['acc']:.1%} | "
                            f"{r['entering_mean']:.2f} ({r['entering_max']}) | {r['hit_rate']:.1%} | {r['mass']:.3f} "
                            f"| {r['seconds']:.0f} |")
+    if report.get("paired"):
+        out += ["", paired_table(report)]
     if any(r["share"] is not None and not r["variant"].startswith("A = 0") for r in results):
         out += ["", targets_table(report)]
     if report["perplexity"]:

@@ -1,0 +1,71 @@
+"""The docs' tables of NVIDIA's RULER on SmolLM2 (results/ruler.json, scripts/bench_longctx.py
+--suite ruler): registered like ``report_tables``' renderers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nosa.bench.report_tables import load, pct, renders, table
+
+RULER = "results/ruler.json"
+
+
+def _get(data: dict) -> tuple[list[str], dict]:
+    names = list(dict.fromkeys(r["variant"] for r in data["results"]))
+    return names, {(r["variant"], r["length"]): r for r in data["results"]}
+
+
+def _score(s: dict) -> str:
+    """A mean score (0-100) with its Wilson 95% interval."""
+    return f"{100 * s['acc']:.1f} [{100 * s['lo']:.0f}, {100 * s['hi']:.0f}]"
+
+
+@renders(RULER)
+def ruler_summary(root: Path) -> str:
+    """Per length and variant: RULER's score averaged over the tasks, the paired difference to
+    dense, and the selection's recall figures."""
+    data = load(root, RULER)
+    names, get = _get(data)
+    vs_dense = {(p["variant"], p["length"]): p for p in data["paired"] if p["vs"] == "dense"}
+    rows = []
+    for n in data["lengths"]:
+        for v in names:
+            r, p = get[(v, n)], vs_dense.get((v, n))
+            paired = (f"{p['points']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}]; {p['better']} / {p['worse']}"
+                      if p else "-")
+            recall = ["all", "-", "-"] if r["share"] is None else [
+                f"{r['budget_blocks']} of {r['context_blocks']}", f"{r['entering_mean']:.2f}", pct(r["hit_rate"])]
+            rows.append([n, v, f"{100 * r['task_mean']:.1f}", _score(r["all"]), paired, *recall])
+    header = ["context", "variant", "RULER score, mean of the tasks", "over the examples [Wilson 95%]",
+              "vs dense, points [paired 95%]; examples better / worse", "budget (blocks)",
+              "blocks entering per step", "hit rate, cache = budget"]
+    counts = ", ".join(f"{k} at {n}" for n, k in data["examples_per_task"].items())
+    return (table(header, rows) + f"\n\n{len(data['tasks'])} tasks; examples per task: {counts} "
+            f"(seed {data['seed']}). Scores 0-100 per example, RULER's metrics.")
+
+
+@renders(RULER)
+def ruler_tasks(root: Path) -> str:
+    """Per task and length, every variant's mean score (of how many examples)."""
+    data = load(root, RULER)
+    names, get = _get(data)
+    rows = []
+    for n in data["lengths"]:
+        for t in data["tasks"]:
+            cells = [get[(v, n)]["tasks"][t] for v in names]
+            rows.append([n, t] + [f"{100 * c['acc']:.0f}" for c in cells] + [cells[0]["n"]])
+    return table(["context", "task"] + names + ["examples"], rows)
+
+
+@renders(RULER)
+def ruler_differ(root: Path) -> str:
+    """The examples where a sparse variant and dense score differently."""
+    data = load(root, RULER)
+    rows = []
+    for p in data["paired"]:
+        if p["vs"] != "dense":
+            continue
+        for d in p["differ"]:
+            rows.append([p["length"], p["variant"], f"{d['task']} #{d['index']}",
+                         f"{100 * d['dense']:.0f}", f"{100 * d[p['variant']]:.0f}"])
+    return table(["context", "variant", "example", "dense", "variant's score"], rows)
