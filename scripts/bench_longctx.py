@@ -13,7 +13,7 @@ on the project's own RULER-style suite.
 by its own generators with the model's tokenizer (seed 42, as its prepare.py) and kept under
 runs/ruler-data, scored by its own metrics (string_match_all; string_match_part for qa), per example
 in [0, 1]. What runs differently from a stock RULER run (an untrained sentence splitter, the model's
-chat template) is in nosa/bench/longctx/nvidia_ruler.py and docs/benchmarks.md.
+chat template) is in nosa/bench/longctx/nvidia_ruler.py and docs/ruler.md.
 
 ``--suite nosa`` (default): nosa.train.ruler's tasks (passkey, single / multi-key / multi-value needles, variable
 tracking, a question answered by one sentence) over held-out prose from nosa.train.prose (only the

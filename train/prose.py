@@ -60,10 +60,16 @@ def prose(text: str) -> str:
 
 
 def documents(sources: tuple[str, ...] = SOURCES) -> list[Document]:
-    """Non-empty prose documents of ``sources``, sorted by key (deterministic on one install)."""
+    """Non-empty prose documents of ``sources``, sorted by key (deterministic on one install).
+    Read once per process (parsing the installed docstrings takes seconds); each call gets its own list."""
     unknown = sorted(set(sources) - set(SOURCES))
     if unknown:
         raise ValueError(f"prose: unknown source(s) {unknown}; known: {list(SOURCES)}")
+    return list(_read(tuple(sources)))
+
+
+@functools.cache
+def _read(sources: tuple[str, ...]) -> tuple[Document, ...]:
     readers = {"topics": _topics, "docstrings": _docstrings, "licences": _licences}
     docs = []
     for source in sources:
@@ -71,7 +77,7 @@ def documents(sources: tuple[str, ...] = SOURCES) -> list[Document]:
             body = prose(text)
             if body:
                 docs.append(Document(f"{source}:{name}", body))
-    return sorted(docs, key=lambda d: d.key)
+    return tuple(sorted(docs, key=lambda d: d.key))
 
 
 def is_heldout(key: str, heldout_percent: int = HELDOUT_PERCENT) -> bool:

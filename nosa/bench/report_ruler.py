@@ -40,8 +40,10 @@ def ruler_summary(root: Path) -> str:
               "vs dense, points [paired 95%]; examples better / worse", "budget (blocks)",
               "blocks entering per step", "hit rate, cache = budget"]
     counts = ", ".join(f"{k} at {n}" for n, k in data["examples_per_task"].items())
+    minutes = ", ".join(f"{s / 60:.1f} min" for s in data.get("seconds_parts") or [data["seconds"]])
     return (table(header, rows) + f"\n\n{len(data['tasks'])} tasks; examples per task: {counts} "
-            f"(seed {data['seed']}). Scores 0-100 per example, RULER's metrics.")
+            f"(seed {data['seed']}). Scores 0-100 per example, RULER's metrics. Wall time: {minutes} "
+            f"(one run per length, shortest first).")
 
 
 @renders(RULER)

@@ -16,17 +16,15 @@ import json
 import os
 import urllib.request
 
+from nosa.bench.longctx.suites import NosaSuite
 from nosa.chat import chat_ids, chat_text
 from nosa.config import CONFIG_KEY
-from nosa.train import prose, ruler
 
 
 def suite_examples(tokenizer, tasks, length: int, per_task: int, seed: int = 0) -> list:
     """``per_task`` examples of each task at ``length`` tokens over the held-out prose: the same
     examples as ``scripts/bench_longctx.py --seed`` (default 0) for that length."""
-    _, heldout = prose.split(prose.documents(prose.FIXED_SOURCES))
-    haystack = ruler.Haystack(tokenizer, [d.text for d in heldout])
-    return [ex for task in tasks for ex in ruler.make_examples(tokenizer, haystack, task, length, per_task, seed)]
+    return NosaSuite(tasks).examples(tokenizer, "", length, per_task, seed)
 
 
 def chat_messages(tokenizer, prompt_ids) -> list[dict]:
