@@ -19,6 +19,7 @@ import yaml
 
 from nosa.checkpoint_format import BY_NAME
 from nosa.config import NosaConfig
+from nosa.train.ruler import STYLES as RULER_STYLES
 from nosa.train.ruler import TASKS as RULER_TASKS
 from nosa.train.synthetic import TASKS
 
@@ -61,6 +62,8 @@ class RulerSection:
     train_examples: int = 16  # per task
     heldout_examples: int = 1  # per task
     seed: int = 1  # seed of the written examples
+    style: str = "suite"  # "suite": the suite's phrasings; "train": phrasings no benchmark uses (nosa.train.ruler)
+    prose_rows: int = 0  # rows of plain training prose beside the tasks, every token a target
 
 
 @dataclass
@@ -244,6 +247,10 @@ class TrainConfig:
         if sec.train_examples < 1 or sec.heldout_examples < 0:
             raise ValueError(f"data.ruler: train_examples={sec.train_examples}, heldout_examples="
                              f"{sec.heldout_examples}; expected >= 1 and >= 0")
+        if sec.style not in RULER_STYLES:
+            raise ValueError(f"data.ruler.style={sec.style!r}: expected one of {list(RULER_STYLES)}")
+        if sec.prose_rows < 0:
+            raise ValueError(f"data.ruler.prose_rows={sec.prose_rows}: expected >= 0")
         if self.model.path is None and self.tokenizer.path is None:
             raise ValueError("data.ruler: its rows are chat turns of the model's tokenizer; set model.path")
         if self.curriculum:

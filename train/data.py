@@ -208,12 +208,15 @@ def prepare_synthetic(
 def prepare_ruler(sec, seq_len: int, tokenizer_path: str, rank: int) -> str:
     """Make sure ``sec.dir`` holds RULER-style rows for these settings (nosa.train.ruler; rank 0
     writes them): examples of ``seq_len`` tokens with the tokenizer at ``tokenizer_path``."""
-    want = dict(version=2, tokenizer=os.path.abspath(tokenizer_path), tasks=list(sec.tasks), length=seq_len,
-                train=sec.train_examples, heldout=sec.heldout_examples, seed=sec.seed)
+    want = dict(version=3, tokenizer=os.path.abspath(tokenizer_path), tasks=list(sec.tasks), length=seq_len,
+                train=sec.train_examples, heldout=sec.heldout_examples, seed=sec.seed, style=sec.style,
+                prose_rows=sec.prose_rows)
     meta = read_meta(sec.dir) or {}
-    if rank == 0 and any(meta.get(k) != v for k, v in want.items()):
+    before = {"style": "suite", "prose_rows": 0}  # rows written before these settings existed
+    if rank == 0 and any(meta.get(k, before.get(k)) != v for k, v in want.items()):
         ruler.write_training_set(sec.dir, load_tokenizer(tokenizer_path), sec.tasks, seq_len, sec.train_examples,
-                                 sec.heldout_examples, sec.seed, meta=want)
+                                 sec.heldout_examples, sec.seed, meta=want, style=sec.style,
+                                 prose_rows=sec.prose_rows)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return sec.dir

@@ -59,6 +59,15 @@ def prose(text: str) -> str:
     return "\n\n".join(keep)
 
 
+SHARED_WORDS = 8  # a run of this many words in two texts: one text shares the other's prose
+
+
+def word_grams(text: str, n: int = SHARED_WORDS) -> set[str]:
+    """The runs of ``n`` consecutive words of ``text`` (lower case, letters and digits only)."""
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
 def documents(sources: tuple[str, ...] = SOURCES) -> list[Document]:
     """Non-empty prose documents of ``sources``, sorted by key (deterministic on one install).
     Read once per process (parsing the installed docstrings takes seconds); each call gets its own list."""

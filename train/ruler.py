@@ -6,8 +6,11 @@ nosa.train.prose, or repeated filler for the passkey) with inserted sentences at
 strings a right reply contains. An example of ``length`` tokens has a prompt of at most ``length -
 max_new_tokens`` tokens. Tasks (``TASKS``, after RULER, Hsieh et al. 2024): ``passkey``,
 ``niah_single``, ``niah_multikey``, ``niah_multivalue``, ``vt`` (variable tracking), ``qa``.
-Scoring (``is_right``): reply and references normalised (lower case, "1,234" -> "1234", other
-non-alphanumerics spaces); right when every reference occurs in the reply as whole words.
+Training rows (``training_examples``) come in two styles (``STYLES``): ``suite``, the suite's own
+phrasings (what the fitted heads were trained on), or ``train``, phrasings that neither the suite nor
+NVIDIA's RULER uses (other needles, questions, names, a prose haystack for the passkey), for a
+fine-tune evaluated on them. Scoring (``is_right``): reply and references normalised (lower case,
+"1,234" -> "1234", other non-alphanumerics spaces); right when every reference occurs in the reply as whole words.
 ``is_settled`` says when no continuation can change that verdict.
 """
 
@@ -23,6 +26,7 @@ from nosa.chat import chat_text
 from nosa.train import datadir, prose
 
 TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "vt", "qa")
+STYLES = ("suite", "train")  # training rows phrased as the suite's, or as neither benchmark's (module docstring)
 DEPTH = (0.1, 0.9)
 # Sizes and wording measured on the dense 135M model at 2K (a few examples each): the passkey and
 # qa questions say what to answer with (without it the model explained what a pass key is, 0 of 4);
@@ -91,10 +95,14 @@ def is_settled(reply: str, references) -> bool:
 
 
 class Haystack:
-    """Held-out prose as a ring of sentences with their token counts, to cut haystacks from."""
+    """Prose as a ring of sentences with their token counts, to cut haystacks from; without the
+    sentences that share a run of ``prose.SHARED_WORDS`` words with any of ``exclude``."""
 
-    def __init__(self, tokenizer, texts: list[str]):
+    def __init__(self, tokenizer, texts: list[str], exclude: list[str] = ()):
         self.sentences = [s for text in texts for s in prose.sentences(text)]
+        if exclude:
+            seen = set().union(*(prose.word_grams(t) for t in exclude))
+            self.sentences = [s for s in self.sentences if not prose.word_grams(s) & seen]
         if not self.sentences:
             raise ValueError("Haystack: no sentences in the given texts")
         counts = tokenizer([" " + s for s in self.sentences], add_special_tokens=False)["input_ids"]
@@ -120,9 +128,9 @@ def make_examples(tokenizer, haystack: Haystack, task: str, length: int, count: 
 
 
 def _render(tokenizer, haystack: Haystack, task: str, length: int, index: int,
-            rng: random.Random) -> tuple[Example, str]:
+            rng: random.Random, style: str = "suite") -> tuple[Example, str]:
     """(the example, its prompt as text)."""
-    instruction, needles, question, prefix, references = _TASK_BUILDERS[task](rng)
+    instruction, needles, question, prefix, references = _BUILDERS[style][task](rng)
     max_new = MAX_NEW_TOKENS[task]
     budget = length - max_new
 
@@ -136,7 +144,7 @@ def _render(tokenizer, haystack: Haystack, task: str, length: int, index: int,
 
     depths = sorted(rng.uniform(*DEPTH) for _ in needles)
     overhead = len(tokenizer(render([])[0], add_special_tokens=False)["input_ids"])
-    if task == "passkey":
+    if task == "passkey" and style == "suite":  # RULER's repeated filler; the train style hides it in prose
         unit = PASSKEY_FILLER.split(". ")
         per = len(tokenizer(" " + PASSKEY_FILLER, add_special_tokens=False)["input_ids"]) / len(unit)
         filler = [unit[i % len(unit)].rstrip(".") + "." for i in range(int((budget - overhead) / per) + 1)]
@@ -157,39 +165,59 @@ def _render(tokenizer, haystack: Haystack, task: str, length: int, index: int,
     return example, text
 
 
-def training_examples(tokenizer, haystack: Haystack, tasks, length: int, count: int, seed: int | str) -> list[dict]:
-    """``count`` examples per task at ``length`` tokens, built like ``make_examples``'s (over the
-    prose of ``haystack``: the training documents, so the benchmark's held-out prose stays unseen) and
-    answered: ``{"text", "targets", "task"}``, the text being the prompt, the reference reply
-    (``reference_reply``) and the end of the turn; ``targets`` the character span of reply and end
-    (nosa.train.data's supervised format). Example i of every task comes before example i + 1 of
-    any. Their random stream is not the benchmark's."""
+def training_examples(tokenizer, haystack: Haystack, tasks, length: int, count: int, seed: int | str,
+                      style: str = "suite", prose_rows: int = 0) -> list[dict]:
+    """``count`` examples per task at ``length`` tokens, built like ``make_examples``'s in ``style``
+    (``STYLES``; over the prose of ``haystack``: the training documents, so the benchmark's held-out
+    prose stays unseen) and answered: ``{"text", "targets", "task"}``, the text being the prompt, the
+    reference reply (``reference_reply``) and the end of the turn; ``targets`` the character span of
+    reply and end (nosa.train.data's supervised format). Example i of every task comes before example
+    i + 1 of any. Then ``prose_rows`` rows of plain prose from ``haystack`` (task ``prose``), every
+    token a target: language modelling beside the tasks. Their random stream is not the benchmark's."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task {unknown[0]!r}; known: {list(TASKS)}")
+    if style not in STYLES:
+        raise ValueError(f"unknown style {style!r}; known: {list(STYLES)}")
+    stream = "train" if style == "suite" else f"train-{style}"  # the suite style's rows as they always were
     out = []
     for i in range(count):  # round robin over the tasks: the first n rows cover every task
         for task in tasks:
-            rng = random.Random(f"train/{seed}/{task}/{length}/{i}")
-            ex, prompt = _render(tokenizer, haystack, task, length, i, rng)
+            rng = random.Random(f"{stream}/{seed}/{task}/{length}/{i}")
+            ex, prompt = _render(tokenizer, haystack, task, length, i, rng, style)
             answer = reference_reply(ex.references) + tokenizer.eos_token
             out.append({"text": prompt + answer, "targets": [[len(prompt), len(prompt) + len(answer)]], "task": task})
+    for i in range(prose_rows):
+        text = " ".join(haystack.take(random.Random(f"{stream}/{seed}/prose/{length}/{i}"), length))
+        out.append({"text": text, "targets": [[0, len(text)]], "task": "prose"})  # cut to its last `length` tokens
     return out
 
 
 def write_training_set(out_dir: str, tokenizer, tasks, length: int, train: int, heldout: int, seed: int,
-                       meta: dict | None = None) -> str:
+                       meta: dict | None = None, style: str = "suite", prose_rows: int = 0) -> str:
     """Write ``train.jsonl`` (``train`` examples per task over the training documents of
     nosa.train.prose), ``heldout.jsonl`` (``heldout`` per task over the held-out documents that the
     benchmark also uses, from another random stream than the benchmark's examples) and ``meta.json``
-    (``meta`` and the arguments) into ``out_dir``, atomically (a temp dir, then a rename)."""
+    (``meta`` and the arguments) into ``out_dir``, atomically (a temp dir, then a rename). ``style``
+    and ``prose_rows``: ``training_examples``'s (the prose rows go into train.jsonl only)."""
+    _, heldout_docs = prose.split(prose.documents(prose.FIXED_SOURCES))
+    hays = {"train": training_haystack(tokenizer), "heldout": Haystack(tokenizer, [d.text for d in heldout_docs])}
+    files = ((name, training_examples(tokenizer, hays[name], tasks, length, count,
+                                      seed if name == "train" else f"heldout/{seed}", style,
+                                      prose_rows if name == "train" else 0))
+             for name, count in (("train", train), ("heldout", heldout)))
+    info = dict(meta or {}, tasks=list(tasks), length=length, train=train, heldout=heldout, seed=seed, style=style,
+                prose_rows=prose_rows)
+    return datadir.write(out_dir, files, info)
+
+
+def training_haystack(tokenizer) -> Haystack:
+    """The training documents of nosa.train.prose, less every sentence that shares a run of words
+    with the held-out documents the benchmark cuts its haystacks from (docstrings repeat
+    boilerplate across packages: "if any other exception is raised, it is as if ...")."""
     train_docs, _ = prose.split(prose.documents())
     _, heldout_docs = prose.split(prose.documents(prose.FIXED_SOURCES))
-    files = ((name, training_examples(tokenizer, Haystack(tokenizer, [d.text for d in docs]), tasks, length, count,
-                                      seed if name == "train" else f"heldout/{seed}"))
-             for name, docs, count in (("train", train_docs, train), ("heldout", heldout_docs, heldout)))
-    info = dict(meta or {}, tasks=list(tasks), length=length, train=train, heldout=heldout, seed=seed)
-    return datadir.write(out_dir, files, info)
+    return Haystack(tokenizer, [d.text for d in train_docs], exclude=[d.text for d in heldout_docs])
 
 
 def reference_reply(references) -> str:
@@ -249,11 +277,63 @@ def _qa(rng):
             f"Where does {name} keep the {thing}? Answer with the place.", f"{name} keeps the {thing} in the", [place])
 
 
-_TASK_BUILDERS = {
-    "passkey": _passkey,
-    "niah_single": lambda rng: _niah(rng, 1, 1),
-    "niah_multikey": lambda rng: _niah(rng, KEYS, 1),
-    "niah_multivalue": lambda rng: _niah(rng, 1, VALUES),
-    "vt": _vt,
-    "qa": _qa,
+# The train style: the same tasks and sizes, other words (6-digit codes instead of RULER's 7-digit
+# numbers and 5-digit pass keys, "Let X be Y" instead of "VAR X = Y", keys without RULER's hyphen).
+
+
+def _own_passkey(rng):
+    key = _number(rng, 6)
+    return ("An access code is buried in the passage below. Look for it and keep it in mind.",
+            [f"The access code is {key}; keep the access code {key} in mind."],
+            "What is the access code? Reply with the code.", "The access code is", [key])
+
+
+def _own_niah(rng, keys: int, values: int):
+    names = [k.replace("-", " ") for k in _keys(rng, keys)]
+    codes = [_number(rng, 6) for _ in range(keys * values)]
+    needles = [f"The secret code of the {names[i % keys]} is {c}." for i, c in enumerate(codes)]
+    rng.shuffle(needles)
+    asked = names[0]
+    instruction = "The passage below hides secret codes among its sentences. Questions about the codes follow it."
+    if values > 1:
+        return (instruction, needles, f"List every secret code of the {asked}.",
+                f"The secret codes of the {asked} are", codes)
+    return (instruction, needles, f"Which secret code belongs to the {asked}?",
+            f"The secret code of the {asked} is", [codes[0]])
+
+
+def _own_vt(rng):
+    names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(4)) for _ in range(VT_HOPS + 1)]
+    value = _number(rng, 6)
+    needles = [f"Let {names[0]} be {value}."] + [f"Let {b} be {a}." for a, b in zip(names, names[1:])]
+    return ("Some names get values in the passage below, one from another. Follow them.", needles,
+            f"Which names end up holding {value}?", f"The names holding {value} are", names)
+
+
+def _own_qa(rng):
+    name, thing = rng.choice(NAMES), rng.choice(OBJECTS)
+    place = f"{rng.choice(COLOURS)} {rng.choice(CONTAINERS)}"
+    return ("Read the passage below, then reply to the question after it.",
+            [f"The {thing} that {name} owns sits in the {place}."],
+            f"Where does the {thing} of {name} sit? Reply with the place.", f"The {thing} of {name} sits in the",
+            [place])
+
+
+_BUILDERS = {
+    "suite": {
+        "passkey": _passkey,
+        "niah_single": lambda rng: _niah(rng, 1, 1),
+        "niah_multikey": lambda rng: _niah(rng, KEYS, 1),
+        "niah_multivalue": lambda rng: _niah(rng, 1, VALUES),
+        "vt": _vt,
+        "qa": _qa,
+    },
+    "train": {
+        "passkey": _own_passkey,
+        "niah_single": lambda rng: _own_niah(rng, 1, 1),
+        "niah_multikey": lambda rng: _own_niah(rng, KEYS, 1),
+        "niah_multivalue": lambda rng: _own_niah(rng, 1, VALUES),
+        "vt": _own_vt,
+        "qa": _own_qa,
+    },
 }
