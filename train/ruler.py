@@ -260,10 +260,16 @@ def _niah(rng, keys: int, values: int):
             f"The special magic number for {asked} mentioned in the provided text is", [numbers[0]])
 
 
+def _chain(rng, letters: int, digits: int, first: str, link: str) -> tuple[list[str], str, list[str]]:
+    """vt's chain: (VT_HOPS + 1 names of ``letters`` capitals, a value of ``digits`` digits, the
+    assignments: ``first`` of the value to the first name, then ``link`` of each name to the next)."""
+    names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(letters)) for _ in range(VT_HOPS + 1)]
+    value = _number(rng, digits)
+    return names, value, [first.format(a=names[0], v=value)] + [link.format(a=a, b=b) for a, b in zip(names, names[1:])]
+
+
 def _vt(rng):
-    names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(VT_HOPS + 1)]
-    value = _number(rng, 5)
-    needles = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+    names, value, needles = _chain(rng, 5, 5, "VAR {a} = {v}.", "VAR {b} = VAR {a}.")
     return ("Memorize and track the chain of variable assignments hidden in the following text.", needles,
             f"Question: Find all variables that are assigned the value {value} in the text above.",
             f"Answer: According to the chain of variable assignments in the text above, {len(names)} variables "
@@ -303,9 +309,7 @@ def _own_niah(rng, keys: int, values: int):
 
 
 def _own_vt(rng):
-    names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(4)) for _ in range(VT_HOPS + 1)]
-    value = _number(rng, 6)
-    needles = [f"Let {names[0]} be {value}."] + [f"Let {b} be {a}." for a, b in zip(names, names[1:])]
+    names, value, needles = _chain(rng, 4, 6, "Let {a} be {v}.", "Let {b} be {a}.")
     return ("Some names get values in the passage below, one from another. Follow them.", needles,
             f"Which names end up holding {value}?", f"The names holding {value} are", names)
 
@@ -319,21 +323,13 @@ def _own_qa(rng):
             [place])
 
 
-_BUILDERS = {
-    "suite": {
-        "passkey": _passkey,
-        "niah_single": lambda rng: _niah(rng, 1, 1),
-        "niah_multikey": lambda rng: _niah(rng, KEYS, 1),
-        "niah_multivalue": lambda rng: _niah(rng, 1, VALUES),
-        "vt": _vt,
-        "qa": _qa,
-    },
-    "train": {
-        "passkey": _own_passkey,
-        "niah_single": lambda rng: _own_niah(rng, 1, 1),
-        "niah_multikey": lambda rng: _own_niah(rng, KEYS, 1),
-        "niah_multivalue": lambda rng: _own_niah(rng, 1, VALUES),
-        "vt": _own_vt,
-        "qa": _own_qa,
-    },
-}
+def _builders(passkey, niah, vt, qa) -> dict:
+    """A style's task builders: each takes a random stream, returns (instruction, needles, question,
+    answer prefix, references)."""
+    return {"passkey": passkey, "niah_single": lambda rng: niah(rng, 1, 1),
+            "niah_multikey": lambda rng: niah(rng, KEYS, 1), "niah_multivalue": lambda rng: niah(rng, 1, VALUES),
+            "vt": vt, "qa": qa}
+
+
+_BUILDERS = {"suite": _builders(_passkey, _niah, _vt, _qa),
+             "train": _builders(_own_passkey, _own_niah, _own_vt, _own_qa)}
