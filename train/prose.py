@@ -62,10 +62,15 @@ def prose(text: str) -> str:
 SHARED_WORDS = 8  # a run of this many words in two texts: one text shares the other's prose
 
 
+def words(text: str) -> list[str]:
+    """The words of ``text`` as ``word_grams`` counts them: lower case, letters and digits only."""
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
 def word_grams(text: str, n: int = SHARED_WORDS) -> set[str]:
-    """The runs of ``n`` consecutive words of ``text`` (lower case, letters and digits only)."""
-    words = re.findall(r"[a-z0-9]+", text.lower())
-    return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
+    """The runs of ``n`` consecutive words of ``text`` (``words``)."""
+    w = words(text)
+    return {" ".join(w[i : i + n]) for i in range(len(w) - n + 1)}
 
 
 def documents(sources: tuple[str, ...] = SOURCES) -> list[Document]:

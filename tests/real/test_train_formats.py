@@ -18,14 +18,12 @@ pytestmark = pytest.mark.real
 LENGTH = 512
 
 
-def grams(text: str, n: int) -> set[str]:
-    words = re.findall(r"[a-z0-9]+", text.lower())
-    return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
+grams = prose.word_grams  # the runs of words the training haystack's filter compares
 
 
 def shared(mine: set[str], text: str, n: int) -> list[str]:
     """The n-grams of ``text`` in ``mine``, without holding all of a large text's n-grams at once."""
-    words = re.findall(r"[a-z0-9]+", text.lower())
+    words = prose.words(text)
     return [g for g in (" ".join(words[i : i + n]) for i in range(len(words) - n + 1)) if g in mine]
 
 
