@@ -89,10 +89,15 @@ def _at_once(server, prompts) -> list[list[int]]:
 
 
 def _graph_log(server) -> tuple[int, list[str]]:
-    """(decode batches run through the graph, recompilations after the capture) from the log."""
+    """(decode batches run through the graph, recompilations after the capture) from the log.
+
+    After the *last* capture: a server that lost its port to another process is started again
+    (``ServerProcess``), appending a second start-up, with its own capture, to the same log."""
     with open(server.log_path, errors="replace") as f:
         text = f.read()
-    after = text.split("Capture target decode CPU graph end", 1)[-1]
+    marker = "Capture target decode CPU graph end"
+    assert marker in text, server.log_tail()
+    after = text.rsplit(marker, 1)[-1]
     return len(re.findall(r"cpu graph: True", after)), re.findall(r"Recompiling function .*", after)
 
 
