@@ -130,13 +130,14 @@ def nosa_attention_forward(
 
 
 @contextlib.contextmanager
-def capture_attention_inputs(model, batch_row: int = 0):
+def capture_attention_inputs(model, batch_row: int | None = 0, detach: bool = True):
     """Record the attention inputs of every NOSA layer of ``model`` while active.
 
     Yields a dict, filled as the model runs: attention module name (``model.layers.0.self_attn``)
-    -> (q [S, Hq, D], k [L, Hkv, D], v [L, Hkv, D]) of batch row ``batch_row``, detached (after
-    RoPE, the cache included). Only attributes of these modules are touched, and removed on exit:
-    outputs do not change and transformers' global attention registry is left alone."""
+    -> (q [S, Hq, D], k [L, Hkv, D], v [L, Hkv, D]) of batch row ``batch_row`` (None: every row,
+    [B, S, Hq, D] ...), after RoPE, the cache included; detached unless ``detach=False`` (a loss on
+    them: nosa.train.select_loss). Only attributes of these modules are touched, and removed on
+    exit: outputs do not change and transformers' global attention registry is left alone."""
     captured: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     modules = [(name, m) for name, m in model.named_modules() if name.endswith("self_attn")]
     if not any(hasattr(m, MODULE_NAME) for _, m in modules):
@@ -144,7 +145,9 @@ def capture_attention_inputs(model, batch_row: int = 0):
 
     def hook(name):
         def store(query, key, value):
-            captured[name] = tuple(t[batch_row].transpose(0, 1).detach() for t in (query, key, value))
+            rows = (t.transpose(-3, -2) if batch_row is None else t[batch_row].transpose(0, 1)
+                    for t in (query, key, value))
+            captured[name] = tuple(t.detach() if detach else t for t in rows)
         return store
 
     for name, m in modules:

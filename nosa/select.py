@@ -99,6 +99,17 @@ def block_scores_from_logits(
     return pool_to_blocks(scores, num_blocks, cfg)
 
 
+def forced_blocks(positions: torch.Tensor, num_blocks: int, cfg: NosaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exists, forced), both [R, NB] bool, of query rows at ``positions`` [R]: the blocks up to the
+    row's current block, and among them the forced set F (sinks and the local window). The other
+    existing blocks are the candidates that the free picks and the eviction ranking choose from."""
+    block = torch.arange(num_blocks, device=positions.device)
+    cur = (positions // cfg.block_size)[:, None]  # [R, 1]
+    exists = block[None, :] <= cur
+    forced = exists & ((block[None, :] < cfg.sink_blocks) | (block[None, :] > cur - cfg.window_blocks))
+    return exists, forced
+
+
 def select_blocks(
     query_scores: torch.Tensor,
     evict_scores: torch.Tensor,
@@ -116,10 +127,7 @@ def select_blocks(
     """
     rows, hkv, nb = query_scores.shape
     device = query_scores.device
-    block = torch.arange(nb, device=device)
-    cur = (positions // cfg.block_size)[:, None]  # [R, 1]
-    exists = block[None, :] <= cur
-    forced = exists & ((block[None, :] < cfg.sink_blocks) | (block[None, :] > cur - cfg.window_blocks))
+    exists, forced = forced_blocks(positions, nb, cfg)
     forced = forced[:, None, :]  # [R, 1, NB], broadcast over heads
     exists = exists[:, None, :]
 

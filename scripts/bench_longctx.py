@@ -78,6 +78,10 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="models/smollm2-135m", help="dense HF checkpoint (python -m nosa.models)")
     parser.add_argument("--nosa", nargs="+", metavar="[LABEL=]CKPT", help="NOSA checkpoints to add as variants")
+    parser.add_argument("--dense-ckpt", nargs="+", metavar="LABEL=CKPT", default=[],
+                        help="checkpoints to add with dense attention (a dense fine-tune, e.g. dense-FT, or a NOSA "
+                             "checkpoint's dense mode for its perplexity); every sparse variant is also paired with "
+                             "each of them, and each of them with dense")
     parser.add_argument("--suite", choices=SUITES, default="nosa",
                         help="ruler: NVIDIA's RULER; nosa: the project's own RULER-style tasks (default)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
@@ -132,8 +136,12 @@ def main(argv=None) -> int:
         return write_report(drop_variants(merge(reports), args.drop or []), args.out, args.plot)
     if args.drop:
         parser.error("--drop works with --merge (it leaves variants out of the joined report)")
-    if not args.a0 and not args.nosa:
-        parser.error("--no-a0 without --nosa leaves only dense to run")
+    if not args.a0 and not args.nosa and not args.dense_ckpt:
+        parser.error("--no-a0 without --nosa or --dense-ckpt leaves only dense to run")
+    for spec in args.dense_ckpt:
+        label = spec.rpartition("=")[0]
+        if not label or label == "dense" or label.startswith("A = 0"):
+            parser.error(f"--dense-ckpt {spec!r}: give it a LABEL= of its own (not dense or A = 0)")
     if args.ppl_windows < 0:
         parser.error(f"--ppl-windows must be 0 or more, got {args.ppl_windows}")
     if args.quick:

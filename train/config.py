@@ -80,6 +80,11 @@ class DataSection:
     # starting model (model.path) to the trained one, per next-token distribution, averaged over
     # every position of the row (0: off). It keeps what the model knew while it learns the task.
     kl_weight: float = 0.0
+    # The selection loss (nosa.train.select_loss), NOSA phase only: the weight of KL(dense block
+    # attention || query-aware block score) over the candidate blocks, at select_rows rows per row
+    # of the micro batch (answer rows first). 0: off. It trains what the query-aware part picks with.
+    select_weight: float = 0.0
+    select_rows: int = 64
     num_proc: int = 1  # processes that tokenize the files (datasets.map)
 
 
@@ -231,6 +236,9 @@ class TrainConfig:
             raise ValueError(f"data.kl_weight={self.data.kl_weight}: expected 0 (off) or a positive weight")
         if self.data.kl_weight and not self.model.path:
             raise ValueError("data.kl_weight needs model.path: the teacher is the pretrained model the run starts from")
+        if not self.data.select_weight >= 0 or self.data.select_rows < 1:
+            raise ValueError(f"data.select_weight={self.data.select_weight}, data.select_rows={self.data.select_rows}: "
+                             "expected a weight >= 0 (0: off) and at least 1 row")
         if self.data.loss_on not in ("all", "targets"):
             raise ValueError(f"data.loss_on={self.data.loss_on!r}: use all or targets")
         if self.wandb.mode not in (None, "offline", "online", "disabled"):

@@ -7,6 +7,7 @@ derived numbers, ``Phase.run`` is the step loop.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import nosa
+from nosa.hf import capture_attention_inputs
 from nosa.train import checkpoint, synthetic
 from nosa.train.config import TrainConfig
 from nosa.train.data import batch_at, build_rows, offline_env, prepare_ruler, prepare_synthetic
@@ -25,6 +27,7 @@ from nosa.train.engine import ds_config, init_distributed, initialize, zero_stag
 from nosa.train.loss import kl_to_teacher, weighted_loss
 from nosa.train.metrics import evaluate, selection_stats
 from nosa.train.model import build_model, eviction_scales, is_nosa, load_model, param_groups
+from nosa.train.select_loss import selection_loss
 from nosa.train.tokenizer import load_tokenizer
 from nosa.wandb_log import Logger
 
@@ -209,15 +212,25 @@ class Phase:
         rows = self.rows_at[length]
         loss_sum = torch.zeros((), device=device)
         kl_sum = torch.zeros((), device=device)
+        sel_sum = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
             batch = batch_at(rows, step, micro, cfg.grad_accum, micro_batch, self.rank, self.world, cfg.seed)
             # position_ids restart per packed document and, with no cache, give both the dense and
             # the NOSA attention a per-document mask (nosa.train.data)
             inputs = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device),
                       "use_cache": False}
-            out = engine(**inputs)
-            micro_loss = weighted_loss(out.logits, batch["labels"].to(device), batch["answers"].to(device),
-                                       cfg.data.answer_weight)
+            select = bool(cfg.data.select_weight) and is_nosa(engine.module.config)
+            with capture_attention_inputs(engine.module, batch_row=None, detach=False) if select \
+                    else contextlib.nullcontext() as captured:
+                out = engine(**inputs)
+            labels, answers = batch["labels"].to(device), batch["answers"].to(device)
+            micro_loss = weighted_loss(out.logits, labels, answers, cfg.data.answer_weight)
+            if select:
+                rows_rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * cfg.grad_accum + micro)
+                sel = selection_loss(captured, engine.module, labels, answers, inputs["position_ids"],
+                                     cfg.data.answer_weight, cfg.data.select_rows, rows_rng)
+                sel_sum += sel.detach()
+                micro_loss = micro_loss + cfg.data.select_weight * sel
             if self.teacher is not None:
                 with torch.no_grad():
                     teacher_logits = self.teacher(**inputs).logits
@@ -228,9 +241,15 @@ class Phase:
             engine.step()  # DeepSpeed applies the update only at the last micro batch of the step
             loss_sum += micro_loss.detach().float()
         loss = loss_sum / cfg.grad_accum
+        parts = {}
+        if cfg.data.select_weight and is_nosa(engine.module.config):
+            parts["train/select"] = float(sel_sum) / cfg.grad_accum
         if self.teacher is not None:
-            self.parts = {"train/kl": float(kl_sum) / cfg.grad_accum,
-                          "train/ce": float(loss) - cfg.data.kl_weight * float(kl_sum) / cfg.grad_accum}
+            parts["train/kl"] = float(kl_sum) / cfg.grad_accum
+        if parts:
+            parts["train/ce"] = float(loss) - cfg.data.kl_weight * parts.get("train/kl", 0.0) \
+                - cfg.data.select_weight * parts.get("train/select", 0.0)
+        self.parts = parts
         if self.world > 1:
             dist.all_reduce(loss)
             loss /= self.world

@@ -47,9 +47,9 @@ def ruler_summary(root: Path) -> str:
 
 
 @renders(RULER)
-def ruler_tasks(root: Path) -> str:
+def ruler_tasks(root: Path, path: str = RULER) -> str:
     """Per task and length, every variant's mean score (of how many examples)."""
-    data = load(root, RULER)
+    data = load(root, path)
     names, get = _get(data)
     rows = []
     for n in data["lengths"]:
@@ -71,3 +71,52 @@ def ruler_differ(root: Path) -> str:
             rows.append([p["length"], p["variant"], f"{d['task']} #{d['index']}",
                          f"{100 * d['dense']:.0f}", f"{100 * d[p['variant']]:.0f}"])
     return table(["context", "variant", "example", "dense", "variant's score"], rows)
+
+
+RULER_FT = "results/ruler_ft.json"
+
+
+def _pair(data: dict) -> dict:
+    return {(p["variant"], p["vs"], p["length"]): p for p in data["paired"]}
+
+
+def _points(p: dict | None) -> str:
+    return f"{p['points']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}]" if p else "-"
+
+
+@renders(RULER_FT)
+def ruler_finetunes(root: Path) -> str:
+    """The fine-tunes on RULER (docs/training.md): per length and variant, the mean of the task
+    scores, the paired differences to dense-FT and to A = 0 at the same budget, the recall figures,
+    and perplexity on held-out prose over the original model's."""
+    data = load(root, RULER_FT)
+    names, get = _get(data)
+    pair = _pair(data)
+    ppl = {p["variant"]: p for p in data["perplexity"]}
+    rows = []
+    for n in data["lengths"]:
+        for v in names:
+            r = get[(v, n)]
+            a0 = f"A = 0, 1/{r['share']}" if r["share"] else None
+            recall = ["all", "-", "-"] if r["share"] is None else [
+                f"{r['budget_blocks']} of {r['context_blocks']}", f"{r['entering_mean']:.2f}", pct(r["hit_rate"])]
+            p = ppl.get(v)
+            rows.append([n, v, f"{100 * r['task_mean']:.1f}", _points(pair.get((v, "dense", n))),
+                         _points(pair.get((v, "dense-FT", n))),
+                         _points(pair.get((v, a0, n))) if a0 and a0 != v else "-", *recall,
+                         f"{p['ratio_to_dense']:.4f}" if p else "-"])
+    header = ["context", "variant", "RULER score, mean of the tasks", "vs dense, points [paired 95%]",
+              "vs dense-FT", "vs A = 0 at its budget", "budget (blocks)", "blocks entering per step",
+              "hit rate, cache = budget", "perplexity / original"]
+    p0 = data["perplexity"][0] if data["perplexity"] else None
+    where = (f"; perplexity: the last {p0['tokens'] // p0['windows']} tokens of {p0['windows']} held-out prose "
+             f"windows of {p0['length']}, each variant's own attention (dense-attention rows: dense)" if p0 else "")
+    counts = ", ".join(f"{k} at {n}" for n, k in data["examples_per_task"].items())
+    return (table(header, rows) + f"\n\n{len(data['tasks'])} tasks; examples per task: {counts} "
+            f"(seed {data['seed']}){where}.")
+
+
+@renders(RULER_FT)
+def ruler_ft_tasks(root: Path) -> str:
+    """Per task and length, every fine-tune's and reference's mean score."""
+    return ruler_tasks(root, RULER_FT)

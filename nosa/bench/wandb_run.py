@@ -114,12 +114,14 @@ def plot(run: dict, out: str) -> None:
 
     hist = run["history"]
     panels = [
-        ("train/loss", [k for k in ("train/loss", "eval/loss")]),
+        ("loss and its terms", [k for k in ("train/loss", "train/ce", "train/kl", "train/select", "eval/loss")]),
         ("eval accuracy", sorted({k for r in hist for k in r if k.startswith("eval/acc")})),
         ("eviction head A (mean)", sorted({k for r in hist for k in r if k.startswith("evict_A/")})),
         ("selection", [k for k in ("select/churn_mean", "select/churn_max", "select/mass")]),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5))
+    panels = [(title, keys) for title, keys in panels if any(k in r for r in hist for k in keys)]  # no empty panels
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+    axes = axes[0]
     for ax, (title, keys) in zip(axes, panels):
         for key in keys:
             pts = [(r["_step"], r[key]) for r in hist if key in r and "_step" in r]

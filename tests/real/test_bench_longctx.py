@@ -127,6 +127,13 @@ def test_no_a0_needs_a_checkpoint_and_drop_needs_merge(run_script, capsys):
     assert "--drop works with --merge" in capsys.readouterr().err
 
 
+def test_dense_ckpt_needs_a_label_of_its_own(run_script, capsys):
+    for spec in ("runs/x", "dense=runs/x"):
+        with pytest.raises(SystemExit):
+            run_script("bench_longctx.py", "--dense-ckpt", spec)
+        assert "give it a LABEL= of its own" in capsys.readouterr().err
+
+
 def test_merge_names_an_unreadable_report(run_script, tmp_path):
     with pytest.raises(SystemExit, match="cannot read the report .*missing.json"):
         run_script("bench_longctx.py", "--merge", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o.json"))
@@ -157,10 +164,16 @@ def test_wilson_interval():
 def test_tiny_run_full_budget_replies_as_dense_and_dense_is_cached(real_checkpoint, run_script, tmp_path, capsys):
     common = ["--model", real_checkpoint, "--lengths", "512", "--examples", "1", "--tasks", "niah_single",
               "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "r.json")]
-    assert run_script("bench_longctx.py", *common, "--shares", "1", "4", "--ppl-windows", "1") == 0
+    assert run_script("bench_longctx.py", *common, "--shares", "1", "4", "--ppl-windows", "1",
+                      "--dense-ckpt", f"same={real_checkpoint}") == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert "| 512 | **all** |" in capsys.readouterr().out
-    assert [r["variant"] for r in report["results"]] == ["dense", "A = 0, 1/1", "A = 0, 1/4"]
+    assert [r["variant"] for r in report["results"]] == ["dense", "A = 0, 1/1", "A = 0, 1/4", "same"]
+    # a dense-attention checkpoint (here the same weights): dense's replies, paired with dense, and
+    # every sparse variant paired with it
+    assert [e["reply"]["same"] for e in report["examples"]] == [e["reply"]["dense"] for e in report["examples"]]
+    pairs = {(p["variant"], p["vs"]) for p in report["paired"]}
+    assert {("same", "dense"), ("A = 0, 1/4", "same"), ("A = 0, 1/4", "dense")} <= pairs
     full = report["results"][1]
     assert full["budget_blocks"] == full["context_blocks"] == 16
     assert full["mass"] == pytest.approx(1.0, abs=1e-5)  # every block selected: all the dense mass
@@ -170,6 +183,7 @@ def test_tiny_run_full_budget_replies_as_dense_and_dense_is_cached(real_checkpoi
     assert 0 <= sparse["hit_rate"] <= 1 and sparse["mass"] < 1
     ppl = {p["variant"]: p for p in report["perplexity"]}
     assert ppl["A = 0, 1/1"]["ratio_to_dense"] == pytest.approx(1.0, abs=1e-4)
+    assert ppl["same"]["ratio_to_dense"] == pytest.approx(1.0, abs=1e-4)
     # a second run (of the full budget only) reads dense from the cache: no dense decoding time
     assert run_script("bench_longctx.py", *common, "--shares", "1", "--ppl-windows", "0") == 0
     again = json.loads((tmp_path / "r.json").read_text())

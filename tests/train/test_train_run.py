@@ -203,19 +203,25 @@ def test_curriculum_trains_short_rows_first(tmp_path, smoke_overrides, monkeypat
 
 def test_self_distillation_logs_its_kl_and_starts_from_the_dense_teacher(first, tmp_path):
     """data.kl_weight: the NOSA fine-tune of the dense checkpoint, with the KL from that checkpoint
-    (frozen) beside the token loss; the logged terms add up to the loss."""
+    (frozen) beside the token loss, and the selection loss (data.select_weight); the logged terms
+    add up to the loss."""
     cfg, _ = first
     dense = os.path.realpath(os.path.join(cfg.out_dir, "dense"))
     overrides = [f"out_dir={tmp_path}/run", f"data.synthetic.dir={tmp_path}/data", "dense_steps=0", "steps=2",
-                 "model.build=null", f"model.path={dense}", "data.kl_weight=0.5", "wandb.mode=disabled"]
+                 "model.build=null", f"model.path={dense}", "data.kl_weight=0.5", "data.select_weight=0.25",
+                 "wandb.mode=disabled"]
     run(load_config(SMOKE, overrides))
     rows = [r for r in _metrics(f"{tmp_path}/run").values() if "train/loss" in r]
     assert len(rows) == 2
     for row in rows:
         assert row["train/kl"] > 0  # the NOSA attention (A = 0 at step 1) is not the dense teacher's
-        assert row["train/ce"] + 0.5 * row["train/kl"] == pytest.approx(row["train/loss"], rel=1e-5)
+        assert row["train/select"] > 0  # the training-free score is not the dense attention's block mass
+        terms = row["train/ce"] + 0.5 * row["train/kl"] + 0.25 * row["train/select"]
+        assert terms == pytest.approx(row["train/loss"], rel=1e-5)
 
 
 def test_self_distillation_needs_a_pretrained_teacher(smoke_overrides, tmp_path):
     with pytest.raises(ValueError, match="data.kl_weight needs model.path"):
         load_config(SMOKE, smoke_overrides(str(tmp_path)) + ["data.kl_weight=1.0"])
+    with pytest.raises(ValueError, match="data.select_weight=-1.0"):
+        load_config(SMOKE, smoke_overrides(str(tmp_path)) + ["data.select_weight=-1"])

@@ -43,6 +43,9 @@ def load_variants(args):
         base = "dense" if same_base(model, dense) else label
         variants += [Variant(f"{label}, 1/{s}" + (f", picks {p}" if args.picks != [PICKS] else ""), model, s, base, p)
                      for s in args.shares for p in args.picks]
+    for spec in getattr(args, "dense_ckpt", []):
+        label, _, path = spec.rpartition("=")
+        variants.append(Variant(label, nosa.from_pretrained(path).eval(), None, label))  # prepare(): sdpa
     return variants, tokenizer, file_digest(args.model)
 
 
@@ -72,7 +75,7 @@ def run(args, counts: dict[int, int]) -> dict:
         kvs = {}
         for variant in variants:
             key = f"{key_prefix}:{ex.digest()}"
-            if variant.share is None and cache.get(key):
+            if variant.name == "dense" and cache.get(key):
                 hit = cache.get(key)
                 record["reply"][variant.name], record["right"][variant.name] = hit["reply"], hit["right"]
                 continue
@@ -93,7 +96,7 @@ def run(args, counts: dict[int, int]) -> dict:
             record["reply"][variant.name], record["right"][variant.name] = reply, right
             if "select" in out:
                 record["select"][variant.name] = out["select"]
-            if variant.share is None:
+            if variant.name == "dense":  # the cache holds --model's results only
                 cache.put(key, {"reply": reply, "right": right})
             seconds[(variant.name, ex.length)] = seconds.get((variant.name, ex.length), 0) + time.perf_counter() - t0
         records.append(record)
@@ -126,7 +129,7 @@ def measure_perplexity(args, variants, tokenizer, heldout, cache, bases) -> list
         key = f"ppl{tail}:" + hashlib.sha256(str(window.tolist()).encode()).hexdigest()
         kvs = {}
         for variant in variants:
-            if variant.share is None and cache.get(key) is not None:
+            if variant.name == "dense" and cache.get(key) is not None:
                 nll[variant.name].append(cache.get(key))
                 continue
             kv = None
@@ -137,7 +140,7 @@ def measure_perplexity(args, variants, tokenizer, heldout, cache, bases) -> list
                 kv = kvs[variant.base]
             value = perplexity_nll(variant, length, window, tail, kv)
             nll[variant.name].append(value)
-            if variant.share is None:
+            if variant.name == "dense":
                 cache.put(key, value)
     return [{"variant": name, "length": length, "windows": len(v), "tokens": len(v) * tail,
              "nll": sum(v) / len(v), "share": next(x.share for x in variants if x.name == name)}

@@ -43,18 +43,23 @@ def paired(records: list[dict], variant: str, reference: str, z: float = 1.96) -
 
 
 def compare(report: dict) -> list[dict]:
-    """The report's paired comparisons, per length: each sparse variant with dense, and each NOSA
-    checkpoint with A = 0 at its budget."""
+    """The report's paired comparisons, per length: each sparse variant with dense and with every
+    other dense-attention checkpoint (--dense-ckpt, e.g. dense-FT), each NOSA checkpoint with A = 0
+    at its budget, and each other dense-attention checkpoint with dense."""
     out = []
     for length in report["lengths"]:
         rows = [r for r in report["results"] if r["length"] == length]
         records = [r for r in report["examples"] if r["length"] == length]
         names = {r["variant"] for r in rows}
+        # dense-attention checkpoints other than dense (share None; reports merged by the tests carry no share)
+        dense_ckpts = [r["variant"] for r in rows if "share" in r and r["share"] is None and r["variant"] != "dense"]
         for r in rows:
-            if r.get("share") is None:  # dense (reports merged by the tests carry no share)
-                continue
-            a0 = f"A = 0, 1/{r['share']}"
-            for reference in ["dense"] + ([a0] if r["variant"] != a0 and a0 in names else []):
+            if r.get("share") is None:
+                references = ["dense"] if r["variant"] in dense_ckpts else []
+            else:
+                a0 = f"A = 0, 1/{r['share']}"
+                references = ["dense", *dense_ckpts] + ([a0] if r["variant"] != a0 and a0 in names else [])
+            for reference in references:
                 out.append(dict(paired(records, r["variant"], reference), length=length))
     return out
 
@@ -85,7 +90,7 @@ def summarise(args, suite, counts, variants, records, perplexity, seconds, env, 
                     mass=total["mass"] / max(1, total["layers"]),
                 )
             results.append(row)
-    dense_nll = next((p["nll"] for p in perplexity if p["share"] is None), None)
+    dense_nll = next((p["nll"] for p in perplexity if p["variant"] == "dense"), None)
     for p in perplexity:
         p["ppl"] = math.exp(p["nll"])
         p["ratio_to_dense"] = math.exp(p["nll"] - dense_nll) if dense_nll is not None else None
