@@ -1,5 +1,7 @@
 """The docs' tables of NVIDIA's RULER on SmolLM2 (results/ruler.json, scripts/bench_longctx.py
---suite ruler): registered like ``report_tables``' renderers."""
+--suite ruler), of the fine-tunes scored on it (results/ruler_ft.json) and of their training runs
+(results/train_smollm2.json, scripts/wandb_report.py --summary): registered like
+``report_tables``' renderers."""
 
 from __future__ import annotations
 
@@ -120,3 +122,30 @@ def ruler_finetunes(root: Path) -> str:
 def ruler_ft_tasks(root: Path) -> str:
     """Per task and length, every fine-tune's and reference's mean score."""
     return ruler_tasks(root, RULER_FT)
+
+
+TRAIN_RUNS = "results/train_smollm2.json"
+
+
+@renders(TRAIN_RUNS)
+def train_runs(root: Path) -> str:
+    """The fine-tunes' runs: steps, wall time, learning rate and loss weights, and the loss terms
+    and selection statistics at their start and end (means of the first and last logged values)."""
+    data = load(root, TRAIN_RUNS)
+    rows = []
+    for r in data["runs"]:
+        def both(key: str, digits: int = 3) -> str:
+            if key not in r["first"]:
+                return "-"
+            return f"{r['first'][key]:.{digits}f} -> {r['last'][key]:.{digits}f}"
+        rows.append([r["label"], r["steps"], f"{r['run_seconds'] / 60:.1f} min",
+                     f"{r['step_seconds'] / max(1, r['steps'] - 1):.0f} s", f"{r['lr']:g}",
+                     f"{r['kl_weight']:g} / {r['select_weight']:g}", both("train/ce"), both("train/kl"),
+                     both("train/select"), both("select/mass"), both("select/churn_mean", 2)])
+    header = ["run", "steps", "wall time (load, fit, steps, saves)", "per step", "lr", "KL / selection weight",
+              "token loss", "KL to the original", "selection loss", "dense mass in selection",
+              "blocks entering per row"]
+    m = data["provenance"]["machine"]
+    return (table(header, rows) + f"\n\nStart -> end: means of the first and last logged values (up to 10 steps; "
+            f"the rows alternate between tasks and prose, so single steps jump). {m['cpu']}, {m['cores']} cores.")
+

@@ -127,11 +127,40 @@ def plot(run: dict, out: str) -> None:
             pts = [(r["_step"], r[key]) for r in hist if key in r and "_step" in r]
             if pts:
                 ax.plot(*zip(*pts), marker="." if len(pts) < 20 else None, label=key)
-        ax.set_title(title)
+        lines = len(ax.get_legend_handles_labels()[0])
+        ax.set_title(title if lines <= 8 else f"{title}, {lines} curves")  # one per layer: no legend
         ax.set_xlabel("step")
-        if ax.get_legend_handles_labels()[0]:
+        if 0 < lines <= 8:
             ax.legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)
     print(f"wrote {out}")
+
+
+def summarise_run(run: dict, label: str) -> dict:
+    """One run's figures for results JSON (scripts/wandb_report.py --summary): its steps, wall time
+    (first to last step's W&B timestamp, the whole run and the steps alone), and per logged training
+    key the mean of its first and of its last values (up to 10, a quarter of those logged)."""
+    hist = [row for row in run["history"] if "train/loss" in row]
+    if not hist:
+        raise ValueError(f"{run['file']}: no training steps logged")
+    every = [row for row in run["history"] if "_timestamp" in row]
+    window = max(1, min(10, len(hist) // 4))
+    keys = sorted({k for row in run["history"] for k in row
+                   if k.startswith(("train/", "select/mass", "select/churn_mean")) and "/layer" not in k
+                   and k not in ("train/phase", "train/tokens")})
+    out = {"label": label, "out_dir": run["config"].get("out_dir"), "steps": len(hist),
+           "seq_len": run["config"].get("seq_len"), "lr": run["config"].get("optim", {}).get("lr"),
+           "kl_weight": run["config"].get("data", {}).get("kl_weight"),
+           "select_weight": run["config"].get("data", {}).get("select_weight", 0.0),
+           "run_seconds": every[-1]["_runtime"] if every else None,
+           "step_seconds": hist[-1]["_timestamp"] - hist[0]["_timestamp"] if len(hist) > 1 else 0.0,
+           "window": window, "first": {}, "last": {}}
+    for key in keys:
+        values = [row[key] for row in run["history"] if key in row and isinstance(row[key], (int, float))]
+        if values:
+            n = max(1, min(window, len(values) // 4))  # selection statistics come every few steps
+            out["first"][key], out["last"][key] = sum(values[:n]) / n, sum(values[-n:]) / n
+    return out
+
