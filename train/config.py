@@ -84,7 +84,7 @@ class DataSection:
     # attention || query-aware block score) over the candidate blocks, at select_rows rows per row
     # of the micro batch (answer rows first). 0: off. It trains what the query-aware part picks with.
     select_weight: float = 0.0
-    select_rows: int = 64
+    select_rows: int = 64  # rows of each micro batch row the selection loss is taken at (answer rows first)
     num_proc: int = 1  # processes that tokenize the files (datasets.map)
 
 
