@@ -213,13 +213,13 @@ class Phase:
         loss_sum = torch.zeros((), device=device)
         kl_sum = torch.zeros((), device=device)
         sel_sum = torch.zeros((), device=device)
+        select = bool(cfg.data.select_weight) and is_nosa(engine.module.config)  # the selection loss: NOSA only
         for micro in range(cfg.grad_accum):
             batch = batch_at(rows, step, micro, cfg.grad_accum, micro_batch, self.rank, self.world, cfg.seed)
             # position_ids restart per packed document and, with no cache, give both the dense and
             # the NOSA attention a per-document mask (nosa.train.data)
             inputs = {"input_ids": batch["input_ids"].to(device), "position_ids": batch["position_ids"].to(device),
                       "use_cache": False}
-            select = bool(cfg.data.select_weight) and is_nosa(engine.module.config)
             with capture_attention_inputs(engine.module, batch_row=None, detach=False) if select \
                     else contextlib.nullcontext() as captured:
                 out = engine(**inputs)
@@ -242,7 +242,7 @@ class Phase:
             loss_sum += micro_loss.detach().float()
         loss = loss_sum / cfg.grad_accum
         parts = {}
-        if cfg.data.select_weight and is_nosa(engine.module.config):
+        if select:
             parts["train/select"] = float(sel_sum) / cfg.grad_accum
         if self.teacher is not None:
             parts["train/kl"] = float(kl_sum) / cfg.grad_accum

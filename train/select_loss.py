@@ -79,7 +79,8 @@ def loss_rows(weights: torch.Tensor, answers: torch.Tensor, position_ids: torch.
     nosa.train.loss.row_weights: row t predicts token t + 1), answers [L] bool (answer tokens),
     position_ids [L] (restarting per document). The rows that predict an answer token, then random
     other labelled rows, ``limit`` in all, only rows with candidate blocks."""
-    has_candidates = position_ids // cfg.block_size >= cfg.sink_blocks + cfg.window_blocks
+    exists, forced = forced_blocks(position_ids, int(position_ids.max()) // cfg.block_size + 1, cfg)
+    has_candidates = (exists & ~forced).any(dim=-1)
     eligible = (weights > 0) & has_candidates
     predicts_answer = torch.cat([answers[1:], answers.new_zeros(1)])
     first = (eligible & predicts_answer).nonzero().squeeze(1)[:limit]

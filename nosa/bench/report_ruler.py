@@ -17,6 +17,19 @@ def _get(data: dict) -> tuple[list[str], dict]:
     return names, {(r["variant"], r["length"]): r for r in data["results"]}
 
 
+def _recall(r: dict) -> list[str]:
+    """A result's budget, blocks entering per step and hit rate (dense attention: all, -, -)."""
+    if r["share"] is None:
+        return ["all", "-", "-"]
+    return [f"{r['budget_blocks']} of {r['context_blocks']}", f"{r['entering_mean']:.2f}", pct(r["hit_rate"])]
+
+
+def _counts(data: dict) -> str:
+    """The tasks and examples per task of a report, for the line under its table."""
+    counts = ", ".join(f"{k} at {n}" for n, k in data["examples_per_task"].items())
+    return f"{len(data['tasks'])} tasks; examples per task: {counts} (seed {data['seed']})"
+
+
 def _score(s: dict) -> str:
     """A mean score (0-100) with its Wilson 95% interval."""
     return f"{100 * s['acc']:.1f} [{100 * s['lo']:.0f}, {100 * s['hi']:.0f}]"
@@ -35,17 +48,13 @@ def ruler_summary(root: Path) -> str:
             r, p = get[(v, n)], vs_dense.get((v, n))
             paired = (f"{p['points']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}]; {p['better']} / {p['worse']}"
                       if p else "-")
-            recall = ["all", "-", "-"] if r["share"] is None else [
-                f"{r['budget_blocks']} of {r['context_blocks']}", f"{r['entering_mean']:.2f}", pct(r["hit_rate"])]
-            rows.append([n, v, f"{100 * r['task_mean']:.1f}", _score(r["all"]), paired, *recall])
+            rows.append([n, v, f"{100 * r['task_mean']:.1f}", _score(r["all"]), paired, *_recall(r)])
     header = ["context", "variant", "RULER score, mean of the tasks", "over the examples [Wilson 95%]",
               "vs dense, points [paired 95%]; examples better / worse", "budget (blocks)",
               "blocks entering per step", "hit rate, cache = budget"]
-    counts = ", ".join(f"{k} at {n}" for n, k in data["examples_per_task"].items())
     minutes = ", ".join(f"{s / 60:.1f} min" for s in data.get("seconds_parts") or [data["seconds"]])
-    return (table(header, rows) + f"\n\n{len(data['tasks'])} tasks; examples per task: {counts} "
-            f"(seed {data['seed']}). Scores 0-100 per example, RULER's metrics. Wall time: {minutes} "
-            f"(one run per length, shortest first).")
+    return (table(header, rows) + f"\n\n{_counts(data)}. Scores 0-100 per example, RULER's metrics. "
+            f"Wall time: {minutes} (one run per length, shortest first).")
 
 
 @renders(RULER)
@@ -100,12 +109,10 @@ def ruler_finetunes(root: Path) -> str:
         for v in names:
             r = get[(v, n)]
             a0 = f"A = 0, 1/{r['share']}" if r["share"] else None
-            recall = ["all", "-", "-"] if r["share"] is None else [
-                f"{r['budget_blocks']} of {r['context_blocks']}", f"{r['entering_mean']:.2f}", pct(r["hit_rate"])]
             p = ppl.get(v)
             rows.append([n, v, f"{100 * r['task_mean']:.1f}", _points(pair.get((v, "dense", n))),
                          _points(pair.get((v, "dense-FT", n))),
-                         _points(pair.get((v, a0, n))) if a0 and a0 != v else "-", *recall,
+                         _points(pair.get((v, a0, n))) if a0 and a0 != v else "-", *_recall(r),
                          f"{p['ratio_to_dense']:.4f}" if p else "-"])
     header = ["context", "variant", "RULER score, mean of the tasks", "vs dense, points [paired 95%]",
               "vs dense-FT", "vs A = 0 at its budget", "budget (blocks)", "blocks entering per step",
@@ -113,9 +120,7 @@ def ruler_finetunes(root: Path) -> str:
     p0 = data["perplexity"][0] if data["perplexity"] else None
     where = (f"; perplexity: the last {p0['tokens'] // p0['windows']} tokens of {p0['windows']} held-out prose "
              f"windows of {p0['length']}, each variant's own attention (dense-attention rows: dense)" if p0 else "")
-    counts = ", ".join(f"{k} at {n}" for n, k in data["examples_per_task"].items())
-    return (table(header, rows) + f"\n\n{len(data['tasks'])} tasks; examples per task: {counts} "
-            f"(seed {data['seed']}){where}.")
+    return table(header, rows) + f"\n\n{_counts(data)}{where}."
 
 
 @renders(RULER_FT)
