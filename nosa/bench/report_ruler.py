@@ -25,9 +25,11 @@ def _recall(r: dict) -> list[str]:
 
 
 def _counts(data: dict) -> str:
-    """The tasks and examples per task of a report, for the line under its table."""
+    """The model (its weights), tasks and examples per task of a report, for the line under its table."""
     counts = ", ".join(f"{k} at {n}" for n, k in data["examples_per_task"].items())
-    return f"{len(data['tasks'])} tasks; examples per task: {counts} (seed {data['seed']})"
+    source = data["model_source"]
+    return (f"{source['name']}, its {source['quantization']} weights dequantized; {len(data['tasks'])} tasks; "
+            f"examples per task: {counts} (seed {data['seed']})")
 
 
 def _score(s: dict) -> str:

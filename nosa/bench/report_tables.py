@@ -81,7 +81,8 @@ def headline(root: Path) -> str:
         ["SmolLM2-135M (its Q4_1 weights dequantized) long-context suite, 1/4 of the blocks: right answers, "
          "dense / A = 0 / fitted heads",
          answers, "`results/longctx.json`"],
-        [f"SmolLM2 on NVIDIA's RULER ({len(ruler['tasks'])} tasks, score 0-100 averaged over them): dense / "
+        [f"SmolLM2 (its {ruler['model_source']['quantization']} weights dequantized) on NVIDIA's RULER "
+         f"({len(ruler['tasks'])} tasks, score 0-100 averaged over them): dense / "
          "A = 0 at 1/4 / A = 0 at 1/8 of the blocks", ruler_scores, "`results/ruler.json`"],
         ["SmolLM2 suite, 1/4: hit rate of a cache = budget, fitted heads (A = 0)",
          f"{pct(min(r['hit_rate'] for r in fitted))}-{pct(max(r['hit_rate'] for r in fitted))} "
