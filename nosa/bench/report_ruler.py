@@ -46,7 +46,7 @@ def ruler_summary(root: Path) -> str:
     vs_dense = {(p["variant"], p["length"]): p for p in data["paired"] if p["vs"] == "dense"}
     rows = []
     for n in data["lengths"]:
-        for v in names:
+        for v in [v for v in names if (v, n) in get]:
             r, p = get[(v, n)], vs_dense.get((v, n))
             paired = (f"{p['points']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}]; {p['better']} / {p['worse']}"
                       if p else "-")
@@ -67,8 +67,8 @@ def ruler_tasks(root: Path, path: str = RULER) -> str:
     rows = []
     for n in data["lengths"]:
         for t in data["tasks"]:
-            cells = [get[(v, n)]["tasks"][t] for v in names]
-            rows.append([n, t] + [f"{100 * c['acc']:.0f}" for c in cells] + [cells[0]["n"]])
+            cells = [get[(v, n)]["tasks"][t] if (v, n) in get else None for v in names]  # None: not run at n
+            rows.append([n, t] + [f"{100 * c['acc']:.0f}" if c else "-" for c in cells] + [cells[0]["n"]])
     return table(["context", "task"] + names + ["examples"], rows)
 
 
@@ -108,10 +108,10 @@ def ruler_finetunes(root: Path) -> str:
     ppl = {p["variant"]: p for p in data["perplexity"]}
     rows = []
     for n in data["lengths"]:
-        for v in names:
+        for v in [v for v in names if (v, n) in get]:
             r = get[(v, n)]
             a0 = f"A = 0, 1/{r['share']}" if r["share"] else None
-            p = ppl.get(v)
+            p = ppl.get(v) if ppl.get(v, {}).get("length") == n else None  # measured at one length
             rows.append([n, v, f"{100 * r['task_mean']:.1f}", _points(pair.get((v, "dense", n))),
                          _points(pair.get((v, "dense-FT", n))),
                          _points(pair.get((v, a0, n))) if a0 and a0 != v else "-", *_recall(r),

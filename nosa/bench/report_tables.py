@@ -52,8 +52,9 @@ def share_text(s: dict) -> str:
 
 
 # ---- the headline (README and the results page) -------------------------------------------------
-@renders("results/accuracy.json", "results/longctx.json", "results/ruler.json", "results/offload.json",
-         "results/serve_smollm2_8k_rank_short.json", "results/serve.json")
+@renders("results/accuracy.json", "results/longctx.json", "results/ruler.json", "results/ruler_ft.json",
+         "results/serve_ask_smollm2.json", "results/offload.json", "results/serve_smollm2_8k_rank_short.json",
+         "results/serve.json")
 def headline(root: Path) -> str:
     acc = {(r["variant"], r["length"]): r for r in load(root, "results/accuracy.json")["results"]}
     tiny = [acc[(v, 512)] for v in ("dense", "training_free", "nosa_finetuned")]
@@ -69,6 +70,11 @@ def headline(root: Path) -> str:
     scored = {(r["variant"], r["length"]): r["task_mean"] for r in ruler["results"]}
     ruler_scores = "; ".join(f"{n}: " + " / ".join(f"{100 * scored[(v, n)]:.1f}" for v in
                                                    ("dense", "A = 0, 1/4", "A = 0, 1/8")) for n in ruler["lengths"])
+    ft = load(root, "results/ruler_ft.json")
+    ft_scored = {(r["variant"], r["length"]): r["task_mean"] for r in ft["results"]}
+    ft_scores = "; ".join(f"{n}: " + " / ".join(f"{100 * ft_scored[(v, n)]:.1f}" for v in
+                                                ("dense-FT", "nosa-ft, 1/4", "nosa-ft, 1/8")) for n in ft["lengths"])
+    asked = load(root, "results/serve_ask_smollm2.json")
     cap = load(root, "results/offload.json")["capacity"]
     onoff = paired_speed(load(root, "results/serve_smollm2_8k_rank_short.json"), "offload_sched_over_nosa")
     serve = load(root, "results/serve.json")["decode_speedup_nosa_over_torch_native"]
@@ -84,6 +90,12 @@ def headline(root: Path) -> str:
         [f"SmolLM2 (its {ruler['model_source']['quantization']} weights dequantized) on NVIDIA's RULER "
          f"({len(ruler['tasks'])} tasks, score 0-100 averaged over them): dense / "
          "A = 0 at 1/4 / A = 0 at 1/8 of the blocks", ruler_scores, "`results/ruler.json`"],
+        ["SmolLM2 fine-tuned the same way with dense attention (dense-FT) and with NOSA (NOSA-FT, every weight), "
+         "on RULER: dense-FT / NOSA-FT at 1/4 / at 1/8", ft_scores, "`results/ruler_ft.json`"],
+        [f"NOSA-FT served at {round(asked['prompt_tokens'] / 1024)}K with offloading (SGLang), RULER's prompts: mean "
+         "score served / the original dense model on the same prompts; hit rate",
+         f"{pct(asked['score'])} / {pct(asked['dense_score'])}; {pct(asked['hit_rate'])}",
+         "`results/serve_ask_smollm2.json`"],
         ["SmolLM2 suite, 1/4: hit rate of a cache = budget, fitted heads (A = 0)",
          f"{pct(min(r['hit_rate'] for r in fitted))}-{pct(max(r['hit_rate'] for r in fitted))} "
          f"({pct(min(r['hit_rate'] for r in a0))}-{pct(max(r['hit_rate'] for r in a0))})", "`results/longctx.json`"],
@@ -258,6 +270,12 @@ def _served(root: Path, name: str) -> str:
         ["admission: admitted / made to wait", f"{d['admission']['admit']} / {d['admission']['wait']}"],
         ["request states and device slots left afterwards", f"{d['requests_after']}, {d['device_slots_in_use_after']}"],
     ]
+    if d.get("suite") == "ruler":  # RULER's metrics give partial credit; dense on the same prompts beside it
+        rows.insert(1, ["RULER mean score, served (NVIDIA's RULER prompts)", pct(d["score"])])
+    if "dense_score" in d:
+        dense = [a["dense"] for a in d["answers"]]
+        rows.insert(2, [f"dense ({d['dense']}, full attention) on the same prompts: mean score / fully right",
+                        f"{pct(d['dense_score'])} / {sum(x['right'] == 1 for x in dense)} of {len(dense)}"])
     if "nosa_config" in d:
         c = d["nosa_config"]
         rows.insert(1, ["NosaConfig served", f"{c['topk_blocks']} blocks of {c['block_size']} = {c['sink_blocks']} "
@@ -284,11 +302,12 @@ def paired_speed(data: dict, key: str) -> dict:
             "lo": min(wall), "hi": max(wall), "at_least_0_9": sum(x >= 0.9 for x in wall)}
 
 
-@renders("results/serve_smollm2_8k_rank_short.json", "results/serve_offload_tiny_kernel_final.json",
-         "results/resolve_kernel.json")
+@renders("results/serve_smollm2_8k_rank_short.json", "results/serve_smollm2_ft_8k.json",
+         "results/serve_offload_tiny_kernel_final.json", "results/resolve_kernel.json")
 def offload_onoff(root: Path) -> str:
     rows = []
-    for label, name in (("SmolLM2-135M, 8K prompt, batch 1", "results/serve_smollm2_8k_rank_short.json"),
+    for label, name in (("SmolLM2-135M, fitted heads, 8K prompt, batch 1", "results/serve_smollm2_8k_rank_short.json"),
+                        ("SmolLM2-135M, sparse-aware fine-tune, 8K, batch 1", "results/serve_smollm2_ft_8k.json"),
                         ("tiny quickstart model, 2K, batch 4", "results/serve_offload_tiny_kernel_final.json")):
         data = load(root, name)
         s = paired_speed(data, "offload_sched_over_nosa")

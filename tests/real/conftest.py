@@ -68,3 +68,21 @@ def run_script(monkeypatch):
         return 0
 
     return run
+
+
+@pytest.fixture(scope="session")
+def sparse_ft_checkpoint(real_checkpoint, tmp_path_factory):
+    """configs/train/smollm2-sparse.yaml (the sparse-aware fine-tune: every weight, the eviction
+    heads, KL to the frozen model, the selection loss) at a toy size: 512 tokens, one step. Returns
+    (config, run result); the checkpoint is ``config.out_dir``/nosa."""
+    from nosa.train.config import load_config
+    from nosa.train.loop import run
+
+    root = tmp_path_factory.mktemp("smollm2-sparse")
+    cfg = load_config(os.path.join(REPO, "configs", "train", "smollm2-sparse.yaml"), [
+        f"out_dir={root}/run", f"model.path={real_checkpoint}", f"data.ruler.dir={root}/data", "seq_len=512",
+        "data.ruler.tasks=[passkey, niah_single]", "data.ruler.train_examples=1", "data.ruler.prose_rows=1",
+        "distill.rows=2", "distill.steps=10", "steps=1", "save_every=0", "stats_every=0", "data.select_weight=0.5",
+        "data.select_rows=8", "nosa.window_blocks=2", "nosa.topk_blocks=4", "progress=false", "wandb.mode=disabled",
+    ])
+    return cfg, run(cfg)

@@ -1,10 +1,12 @@
-"""The real model served with offloading, in short: scripts/serve_ask.py --suite asks the suite's
-prompts (nosa.train.ruler, 512 tokens) through /v1/chat/completions of an SGLang server with
-offloading on and a device budget of a quarter of each prompt's blocks; every served reply equals
-the greedy reply of the HF NOSA model (nosa.from_pretrained) of the same checkpoint and NosaConfig.
+"""The real model served with offloading, in short: scripts/serve_ask.py --suite asks a suite's
+prompts (512 tokens) through /v1/chat/completions of an SGLang server with offloading on and a
+device budget of a quarter of each prompt's blocks; every served reply equals the greedy reply of
+the HF NOSA model (nosa.from_pretrained) of the same checkpoint and NosaConfig.
 
-The checkpoint is SmolLM2 converted to NOSA with random eviction heads (A != 0), so that the
-served selection goes through the heads and not only through the training-free part."""
+- the project's suite (nosa.train.ruler) on SmolLM2 converted to NOSA with random eviction heads
+  (A != 0), so that the served selection goes through the heads and not only the training-free part;
+- NVIDIA's RULER (--suite ruler) on the sparse-aware fine-tune (configs/train/smollm2-sparse.yaml,
+  one step at a toy size: tests/real/conftest.py), with dense's answers beside the served ones."""
 
 from __future__ import annotations
 
@@ -78,3 +80,54 @@ def test_served_replies_equal_the_hf_nosa_model(random_heads_checkpoint, real_to
     assert summary["peak_device_tokens"] <= summary["device_budget_tokens"] < summary["prompt_tokens"]
     assert summary["decode_layer_steps"] > 0 and summary["recalled_items"] > 0
     assert summary["requests_after"] == 0 and summary["device_slots_in_use_after"] == 0
+
+
+RULER_TASKS = ("niah_single_1", "niah_multikey_1", "niah_multivalue")  # RULER's vt cannot fit 512 tokens
+
+
+def test_served_ruler_replies_of_the_fine_tune_equal_the_hf_nosa_model(sparse_ft_checkpoint, real_checkpoint,
+                                                                       real_tokenizer, dense_model_once, tmp_path):
+    import torch
+
+    import nosa
+    from nosa.bench.longctx.suites import make_suite
+    from nosa.config import NosaConfig
+
+    cfg, _ = sparse_ft_checkpoint
+    checkpoint = os.path.join(cfg.out_dir, "nosa")
+    out, data, cache = tmp_path / "summary.json", tmp_path / "ruler-data", tmp_path / "cache"
+    cmd = [sys.executable, "scripts/serve_ask.py", "--suite", "ruler", "--checkpoint", checkpoint,
+           "--length", str(LENGTH), "--share", str(SHARE), "--picks", PICKS, "--tasks", *RULER_TASKS,
+           "--ruler-data", str(data), "--dense", real_checkpoint, "--cache", str(cache), "--concurrency", "3",
+           "--device-requests", "2", "--out", str(out), "--plot", ""]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    served = summary["answers"]
+    assert summary["suite"] == "ruler" and [a["label"] for a in served] == list(RULER_TASKS)
+
+    model = nosa.from_pretrained(checkpoint).eval()
+    nosa.convert(model, NosaConfig.from_dict(summary["nosa_config"]))  # served: the suite's budget at 512, its heads
+    assert model.config.nosa["topk_blocks"] * SHARE * 32 == LENGTH
+    suite = make_suite("ruler", RULER_TASKS, data_dir=str(data))
+    examples = suite.examples(real_tokenizer, checkpoint, LENGTH, 1, 42)
+    for ex, answer in zip(examples, served):
+        assert answer["served_prompt_tokens"] == len(ex.prompt_ids)
+        ids = torch.tensor([ex.prompt_ids])
+        replies = []
+        for m in (model, dense_model_once):
+            with torch.no_grad():
+                reply = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ex.max_new_tokens,
+                                   do_sample=False, pad_token_id=real_tokenizer.eos_token_id)
+            replies.append(real_tokenizer.decode(reply[0, ids.shape[1]:], skip_special_tokens=True))
+        assert answer["reply"] == replies[0], (ex.task, answer["reply"], replies[0])
+        assert answer["score"] == suite.score(answer["reply"], ex)  # RULER's own metric
+        # dense's answer beside it: the benchmark's dense greedy reply (it stops once fully right)
+        assert replies[1].startswith(answer["dense"]["reply"].rstrip()), (ex.task, answer["dense"], replies[1])
+    assert summary["dense_score"] == sum(a["dense"]["right"] for a in served) / len(served)
+    assert summary["requests_after"] == 0 and summary["device_slots_in_use_after"] == 0
+    assert summary["recalled_items"] > 0 and summary["peak_device_tokens"] < summary["prompt_tokens"]
+    # the dense answers went into the benchmark's cache: a second run reads them back
+    assert len(json.loads(next(cache.glob("dense-*.json")).read_text())) == len(RULER_TASKS)
+

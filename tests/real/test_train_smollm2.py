@@ -54,3 +54,29 @@ def test_smollm2_config_fits_fine_tunes_and_saves(real_checkpoint, tmp_path, mon
     for k, v in heads(final).items():
         torch.testing.assert_close(v, tuned.state_dict()[k])
     assert nosa.hf.nosa_config_of(final.config) == cfg.nosa
+
+
+def test_sparse_config_trains_every_weight_with_its_heads(sparse_ft_checkpoint, dense_model_once):
+    """configs/train/smollm2-sparse.yaml at a toy size (tests/real/conftest.py): the step moves the
+    model's own weights (attention, MLP, embeddings) and its eviction heads, with the token loss, the
+    KL to the frozen model and the selection loss adding up to the loss."""
+    cfg, result = sparse_ft_checkpoint
+    assert not cfg.freeze_base and cfg.data.kl_weight > 0 and cfg.data.select_weight > 0
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
+        row = [r for r in map(json.loads, f) if r.get("step") == 1 and "train/loss" in r][0]
+    assert row["train/kl"] >= 0 and row["train/select"] > 0
+    total = row["train/ce"] + cfg.data.kl_weight * row["train/kl"] + cfg.data.select_weight * row["train/select"]
+    assert math.isclose(total, row["train/loss"], rel_tol=1e-5)
+
+    final = nosa.from_pretrained(os.path.join(cfg.out_dir, "nosa"))
+    assert nosa.hf.nosa_config_of(final.config) == cfg.nosa
+    fitted = nosa.from_pretrained(os.path.join(cfg.out_dir, "fitted"))
+    dense = dense_model_once.state_dict()
+    tuned = final.state_dict()
+    for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
+        key = f"model.layers.3.{part}.weight"
+        assert not torch.equal(tuned[key], dense[key]), f"{key} did not move"
+    moved = [k for k, v in heads(final).items() if not torch.equal(v, fitted.state_dict()[k])]
+    assert moved, "the eviction heads did not move with the model"
+    for k, v in tuned.items():
+        torch.testing.assert_close(v, result["model"].state_dict()[k])  # the checkpoint is the trained model

@@ -32,20 +32,26 @@ def test_dense_block_mass_is_each_rows_causal_softmax_summed_per_block():
             torch.testing.assert_close(got[r, kv], want, atol=1e-6, rtol=1e-5)
 
 
-def test_loss_rows_take_the_answer_rows_first_and_only_rows_with_candidates():
-    length = 120
-    position_ids = torch.cat([torch.arange(60), torch.arange(60)])  # two documents
+def test_loss_rows_take_the_answer_rows_first_and_only_rows_with_a_choice():
+    length = 180
+    position_ids = torch.cat([torch.arange(90), torch.arange(90)])  # two documents
     weights = torch.ones(length)
     weights[:10] = 0
     answers = torch.zeros(length, dtype=torch.bool)
-    answers[[50, 55, 110]] = True  # rows 49, 54 and 109 predict them
+    answers[[70, 80, 170]] = True  # rows 69, 79 and 169 predict them
     gen = torch.Generator().manual_seed(0)
     rows = loss_rows(weights, answers, position_ids, CFG, 5, gen)
     assert rows.tolist() == sorted(rows.tolist()) and len(rows) == 5
-    assert {49, 54, 109} <= set(rows.tolist())
-    # a row has candidates once its block is past the sink and the window: position >= 3 * 16
-    assert all(int(position_ids[r]) >= 48 and weights[r] > 0 for r in rows)
-    assert len(loss_rows(weights, answers, position_ids, CFG, 100, gen)) == 2 * (60 - 48)
+    assert {69, 79, 169} <= set(rows.tolist())
+    # a row has two candidates (blocks 1 and 2) once its block is past the sink, those and the
+    # window: position >= 4 * 16; at 48..63 block 1 alone is a candidate, and the KL over it is 0
+    assert all(int(position_ids[r]) >= 64 and weights[r] > 0 for r in rows)
+    assert len(loss_rows(weights, answers, position_ids, CFG, 100, gen)) == 2 * (90 - 64)
+    # every row a target (a prose row): a random subset of them, not the ones nearest the start
+    everything = torch.ones(length, dtype=torch.bool)
+    picks = [loss_rows(weights, everything, position_ids, CFG, 5, torch.Generator().manual_seed(s)) for s in range(4)]
+    eligible = [r for r in range(length - 1) if int(position_ids[r]) >= 64]
+    assert any(p.tolist() != eligible[:5] for p in picks) and len({tuple(p.tolist()) for p in picks}) > 1
 
 
 def _needle_case(seed):
@@ -112,9 +118,9 @@ def test_selection_kl_is_zero_without_candidates_and_nonnegative():
 def test_selection_loss_of_packed_documents_is_each_documents_own():
     """Rows of the second document see only its keys: the loss equals the per-document sum."""
     torch.manual_seed(4)
-    length, hq, hkv, d = 130, 2, 1, 8
+    length, hq, hkv, d = 180, 2, 1, 8
     q, k = torch.randn(1, length, hq, d), torch.randn(1, length, hkv, d)
-    position_ids = torch.cat([torch.arange(60), torch.arange(70)])[None]
+    position_ids = torch.cat([torch.arange(80), torch.arange(100)])[None]
     labels = torch.ones(1, length, dtype=torch.long)
     answers = torch.zeros(1, length, dtype=torch.bool)
 
@@ -128,10 +134,10 @@ def test_selection_loss_of_packed_documents_is_each_documents_own():
 
     rows_gen = torch.Generator().manual_seed(0)
     got = selection_loss({"attn": (q, k, None)}, Model(), labels, answers, position_ids, 1.0, 1000, rows_gen)
-    # every row with candidates (position >= 48) and a next token (all but the very last row)
-    first, n1 = selection_kl(q[0, 48:60], k[0, :60], torch.arange(48, 60), CFG, 0.3)
-    second, n2 = selection_kl(q[0, 108:129], k[0, 60:129], torch.arange(48, 69), CFG, 0.3)
-    assert n1 == 12 and n2 == 21
+    # every row with a choice of blocks (position >= 64) and a next token (all but the very last row)
+    first, n1 = selection_kl(q[0, 64:80], k[0, :80], torch.arange(64, 80), CFG, 0.3)
+    second, n2 = selection_kl(q[0, 144:179], k[0, 80:179], torch.arange(64, 99), CFG, 0.3)
+    assert n1 == 16 and n2 == 35
     torch.testing.assert_close(got, (first + second) / (n1 + n2))
 
 

@@ -62,7 +62,6 @@ def run(args, counts: dict[int, int]) -> dict:
     suite = make_suite(args.suite, args.tasks, data_dir=args.ruler_data)
     examples = [ex for length, n in counts.items()
                 for ex in suite.examples(tokenizer, args.model, length, n, args.seed)]
-    key_prefix = "reply" if suite.name == "nosa" else f"{suite.name}-reply"  # the nosa suite's keys predate RULER
     bases = {}  # base -> the model that prefills its contexts densely (the first variant's)
     for v in variants:
         bases.setdefault(v.base, v.model)
@@ -74,7 +73,7 @@ def run(args, counts: dict[int, int]) -> dict:
                   "reply": {}, "right": {}, "select": {}}
         kvs = {}
         for variant in variants:
-            key = f"{key_prefix}:{ex.digest()}"
+            key = reply_key(suite, ex)
             if variant.name == "dense" and cache.get(key):
                 hit = cache.get(key)
                 record["reply"][variant.name], record["right"][variant.name] = hit["reply"], hit["right"]
@@ -89,10 +88,7 @@ def run(args, counts: dict[int, int]) -> dict:
                                                                + time.perf_counter() - t0)
                     t0 = time.perf_counter()
                 kv = kvs[variant.base]
-            out = run_variant(variant, ex.length, ex, kv, tokenizer.eos_token_id, lambda tokens: suite.settled(
-                tokenizer.decode(tokens, skip_special_tokens=True), ex))
-            reply = tokenizer.decode(out["tokens"], skip_special_tokens=True)
-            right = suite.score(reply, ex)
+            out, reply, right = answer(variant, ex, kv, tokenizer, suite)
             record["reply"][variant.name], record["right"][variant.name] = reply, right
             if "select" in out:
                 record["select"][variant.name] = out["select"]
@@ -106,6 +102,42 @@ def run(args, counts: dict[int, int]) -> dict:
     return summarise(args, suite, counts, variants, records, perplexity, seconds,
                      env={"threads": torch.get_num_threads()},
                      seconds_total=time.perf_counter() - t_start)
+
+
+def reply_key(suite, ex) -> str:
+    """The dense cache's key of an example's reply (the nosa suite's keys predate RULER)."""
+    return f"{'reply' if suite.name == 'nosa' else suite.name + '-reply'}:{ex.digest()}"
+
+
+def answer(variant, ex, kv, tokenizer, suite) -> tuple[dict, str, float]:
+    """(run_variant's result, the reply's text, its score) of one variant on one example."""
+    out = run_variant(variant, ex.length, ex, kv, tokenizer.eos_token_id, lambda tokens: suite.settled(
+        tokenizer.decode(tokens, skip_special_tokens=True), ex))
+    reply = tokenizer.decode(out["tokens"], skip_special_tokens=True)
+    return out, reply, suite.score(reply, ex)
+
+
+def dense_answers(model_dir: str, tokenizer, suite, examples, cache_dir: str | None) -> list[dict]:
+    """The dense model's ``{"reply", "right"}`` on each example as scripts/bench_longctx.py answers it
+    (a dense context prefill, then greedy): from its dense cache under ``cache_dir`` when that holds
+    the example, else computed now and put there."""
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise SystemExit(f"no dense checkpoint at {model_dir!r}; write it with "
+                         f"`python -m nosa.models smollm2 --out {model_dir}`")
+    cache = DenseCache(cache_dir or None, file_digest(model_dir))
+    dense, out = None, []
+    for ex in examples:
+        hit = cache.get(reply_key(suite, ex))
+        if hit is None:
+            if dense is None:
+                model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+                dense = Variant("dense", model, None, "dense")
+            kv = context_kv(dense.model, torch.tensor(ex.prompt_ids[: ex.context_end]))
+            _, reply, right = answer(dense, ex, kv, tokenizer, suite)
+            hit = {"reply": reply, "right": right}
+            cache.put(reply_key(suite, ex), hit)
+        out.append(hit)
+    return out
 
 
 def measure_perplexity(args, variants, tokenizer, heldout, cache, bases) -> list[dict]:

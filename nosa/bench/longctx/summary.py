@@ -169,10 +169,13 @@ def _variants(report: dict) -> list[str]:
 
 
 def _join_lengths(reports: list[dict]) -> dict:
+    """Reports of disjoint lengths. The first has every variant; the others may leave some out
+    (e.g. a checkpoint not run at the longest length): their tables show nothing for it there."""
     first = reports[0]
     for r in reports[1:]:
-        if _variants(r) != _variants(first):
-            raise SystemExit("bench_longctx --merge: the reports have different variants")
+        if "dense" not in _variants(r) or not set(_variants(r)) <= set(_variants(first)):
+            raise SystemExit("bench_longctx --merge: a report of another length has variants that the first has not "
+                             f"(or no dense): {sorted(set(_variants(r)) - set(_variants(first)))}")
     lengths = [n for r in reports for n in r["lengths"]]
     if len(set(lengths)) != len(lengths):
         raise SystemExit(f"bench_longctx --merge: a length is in more than one report: {lengths}")
@@ -185,7 +188,10 @@ def _join_lengths(reports: list[dict]) -> dict:
         context_prefill_seconds={k: v for r in reports for k, v in r["context_prefill_seconds"].items()},
         results=[row for r in reports for row in r["results"]],
         examples=[ex for r in reports for ex in r["examples"]],
-        perplexity=max(with_ppl, key=lambda r: r["perplexity"][0]["length"])["perplexity"] if with_ppl else [],
+        # the report that measured the most variants (then the longest): the fine-tunes' 2K windows
+        # rather than a longer report's of dense and A = 0 alone
+        perplexity=max(with_ppl, key=lambda r: (len(r["perplexity"]), r["perplexity"][0]["length"]))["perplexity"]
+        if with_ppl else [],
     )
     return out
 
@@ -290,12 +296,14 @@ def tables(report: dict) -> str:
     out = ["| context | task | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for n in report["lengths"]:
         for task in report["tasks"]:
-            out.append(f"| {n} | {task} | " + " | ".join(_pct(get[(v, n)]["tasks"][task]) for v in names) + " |")
-        out.append(f"| {n} | **all** | " + " | ".join(f"**{_pct(get[(v, n)]['all'])}**" for v in names) + " |")
+            out.append(f"| {n} | {task} | " + " | ".join(_pct(get[(v, n)]["tasks"][task]) if (v, n) in get else "-"
+                                                         for v in names) + " |")
+        out.append(f"| {n} | **all** | " + " | ".join(f"**{_pct(get[(v, n)]['all'])}**" if (v, n) in get else "-"
+                                                      for v in names) + " |")
     out += ["", "| context | variant | budget | accuracy, all tasks | blocks entering per step, mean (max) "
             "| hit rate, cache = budget | dense mass in selection | seconds |", "|---|---|---|---|---|---|---|---|"]
     for n in report["lengths"]:
-        for v in names:
+        for v in [v for v in names if (v, n) in get]:  # a merged report may leave a variant out at a length
             r = get[(v, n)]
             if r["share"] is None:
                 out.append(f"| {n} | {v} | all | {r['all']['acc']:.1%} | - | - | - | {r['seconds']:.0f} |")
@@ -336,8 +344,9 @@ def plot(report: dict, path: str) -> None:
     for ax, variants, title, value in panels:
         width = 0.8 / max(1, len(variants))
         for i, v in enumerate(variants):
-            rows = [get[(v, n)] for n in lengths]
-            xs = [j + i * width for j in range(len(lengths))]
+            at = [(j, get[(v, n)]) for j, n in enumerate(lengths) if (v, n) in get]  # not run at every length
+            rows = [r for _, r in at]
+            xs = [j + i * width for j, _ in at]
             heights = [value(r) for r in rows]
             err = None
             if ax is axes[0]:
