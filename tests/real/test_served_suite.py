@@ -26,6 +26,19 @@ LENGTH, SHARE, TASKS = 512, 4, ("passkey", "niah_single", "qa")
 PICKS = "15/64"  # the released split: 1 of the 4 blocks is a query-aware pick (the default 1/16 rounds to none)
 
 
+def serve_ask(checkpoint: str, tmp_path, *args: str) -> dict:
+    """scripts/serve_ask.py on ``checkpoint`` at LENGTH and 1/SHARE, 3 prompts at once, a device
+    budget of 2 requests, and ``args``; its JSON summary."""
+    out = tmp_path / "summary.json"
+    cmd = [sys.executable, "scripts/serve_ask.py", "--checkpoint", checkpoint, "--length", str(LENGTH), "--share",
+           str(SHARE), "--picks", PICKS, "--concurrency", "3", "--device-requests", "2", "--out", str(out),
+           "--plot", "", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def random_heads_checkpoint(dense_model_once, real_tokenizer, tmp_path_factory):
     if tiny.cpu_engine_missing():
@@ -52,14 +65,7 @@ def test_served_replies_equal_the_hf_nosa_model(random_heads_checkpoint, real_to
     import nosa
     from nosa.bench.longctx.chat import suite_examples
 
-    out = tmp_path / "summary.json"
-    cmd = [sys.executable, "scripts/serve_ask.py", "--suite", "--checkpoint", random_heads_checkpoint,
-           "--length", str(LENGTH), "--share", str(SHARE), "--picks", PICKS, "--tasks", *TASKS, "--concurrency", "3",
-           "--device-requests", "2", "--out", str(out), "--plot", ""]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    summary = json.loads(out.read_text())
+    summary = serve_ask(random_heads_checkpoint, tmp_path, "--suite", "--tasks", *TASKS)
     served = summary["answers"]
     assert [a["label"] for a in served] == list(TASKS)
 
@@ -95,15 +101,9 @@ def test_served_ruler_replies_of_the_fine_tune_equal_the_hf_nosa_model(sparse_ft
 
     cfg, _ = sparse_ft_checkpoint
     checkpoint = os.path.join(cfg.out_dir, "nosa")
-    out, data, cache = tmp_path / "summary.json", tmp_path / "ruler-data", tmp_path / "cache"
-    cmd = [sys.executable, "scripts/serve_ask.py", "--suite", "ruler", "--checkpoint", checkpoint,
-           "--length", str(LENGTH), "--share", str(SHARE), "--picks", PICKS, "--tasks", *RULER_TASKS,
-           "--ruler-data", str(data), "--dense", real_checkpoint, "--cache", str(cache), "--concurrency", "3",
-           "--device-requests", "2", "--out", str(out), "--plot", ""]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    summary = json.loads(out.read_text())
+    data, cache = tmp_path / "ruler-data", tmp_path / "cache"
+    summary = serve_ask(checkpoint, tmp_path, "--suite", "ruler", "--tasks", *RULER_TASKS, "--ruler-data", str(data),
+                        "--dense", real_checkpoint, "--cache", str(cache))
     served = summary["answers"]
     assert summary["suite"] == "ruler" and [a["label"] for a in served] == list(RULER_TASKS)
 
