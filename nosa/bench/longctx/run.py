@@ -27,11 +27,16 @@ from nosa.bench.longctx.variant import (
 from nosa.train import prose
 
 
+def require_checkpoint(path: str, who: str) -> None:
+    """Exit naming the command that writes the dense checkpoint when ``path`` holds none."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"{who}: no checkpoint at {path!r}; write it with "
+                         f"`python -m nosa.models smollm2 --out {path}`")
+
+
 def load_variants(args):
     """(variants, tokenizer, dense model digest)."""
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise SystemExit(f"bench_longctx: no checkpoint at {args.model!r}; write it with "
-                         f"`python -m nosa.models smollm2 --out {args.model}`")
+    require_checkpoint(args.model, "bench_longctx")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     dense = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
     variants = [Variant("dense", dense, None, "dense")]
@@ -121,13 +126,12 @@ def dense_answers(model_dir: str, tokenizer, suite, examples, cache_dir: str | N
     """The dense model's ``{"reply", "right"}`` on each example as scripts/bench_longctx.py answers it
     (a dense context prefill, then greedy): from its dense cache under ``cache_dir`` when that holds
     the example, else computed now and put there."""
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise SystemExit(f"no dense checkpoint at {model_dir!r}; write it with "
-                         f"`python -m nosa.models smollm2 --out {model_dir}`")
+    require_checkpoint(model_dir, "dense answers")
     cache = DenseCache(cache_dir or None, file_digest(model_dir))
     dense, out = None, []
     for ex in examples:
-        hit = cache.get(reply_key(suite, ex))
+        key = reply_key(suite, ex)
+        hit = cache.get(key)
         if hit is None:
             if dense is None:
                 model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
@@ -135,7 +139,7 @@ def dense_answers(model_dir: str, tokenizer, suite, examples, cache_dir: str | N
             kv = context_kv(dense.model, torch.tensor(ex.prompt_ids[: ex.context_end]))
             _, reply, right = answer(dense, ex, kv, tokenizer, suite)
             hit = {"reply": reply, "right": right}
-            cache.put(reply_key(suite, ex), hit)
+            cache.put(key, hit)
         out.append(hit)
     return out
 
