@@ -90,9 +90,11 @@ def headline(root: Path) -> str:
         [f"SmolLM2 (its {ruler['model_source']['quantization']} weights dequantized) on NVIDIA's RULER "
          f"({len(ruler['tasks'])} tasks, score 0-100 averaged over them): dense / "
          "A = 0 at 1/4 / A = 0 at 1/8 of the blocks", ruler_scores, "`results/ruler.json`"],
-        ["SmolLM2 fine-tuned the same way with dense attention (dense-FT) and with NOSA (NOSA-FT, every weight), "
-         "on RULER: dense-FT / NOSA-FT at 1/4 / at 1/8", ft_scores, "`results/ruler_ft.json`"],
-        [f"NOSA-FT served at {round(asked['prompt_tokens'] / 1024)}K with offloading (SGLang), RULER's prompts: mean "
+        [f"SmolLM2 (its {ft['model_source']['quantization']} weights dequantized) fine-tuned the same way with dense "
+         "attention (dense-FT) and with NOSA (NOSA-FT, every weight), on RULER: dense-FT / NOSA-FT at 1/4 / at 1/8",
+         ft_scores, "`results/ruler_ft.json`"],
+        [f"NOSA-FT (SmolLM2, {ft['model_source']['quantization']} dequantized) served at "
+         f"{round(asked['prompt_tokens'] / 1024)}K with offloading (SGLang), RULER's prompts: mean "
          "score served / the original dense model on the same prompts; hit rate",
          f"{pct(asked['score'])} / {pct(asked['dense_score'])}; {pct(asked['hit_rate'])}",
          "`results/serve_ask_smollm2.json`"],
