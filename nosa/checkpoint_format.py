@@ -1,14 +1,16 @@
 """The NOSA checkpoint format: what a saved NOSA model's config.json says, so that no loader can
 mistake it for its dense base model.
 
-A NOSA checkpoint is a transformers checkpoint whose config.json has ``model_type`` "nosa_llama" /
-"nosa_qwen2" / "nosa_qwen3" and ``architectures`` ["NosaLlamaForCausalLM"] / ... (a loader that
-does not know NOSA stops instead of building the dense model); ``auto_map`` naming the classes in
-``modeling_nosa.py``, a file beside it that imports them from the installed nosa package; the
-NosaConfig under "nosa"; the eviction heads as ``model.layers.{i}.self_attn.nosa_evict.{proj.weight,
-proj.bias, scale}`` tensors. The *legacy* format (written before the NOSA model types) has the base
-model's type and a "nosa" section: nosa.from_pretrained and the server still load it, and
-``upgraded_config`` (``python -m nosa.upgrade``) rewrites it. Only json is needed here.
+A NOSA checkpoint is a transformers checkpoint whose
+config.json has ``model_type`` "nosa_llama" / "nosa_qwen2" / "nosa_qwen3" / "nosa_gemma3_text" and
+``architectures`` ["NosaLlamaForCausalLM"] / ... (a loader that does not know NOSA stops instead of
+building the dense model); ``auto_map`` naming the classes in ``modeling_nosa.py``, a file beside it
+that imports them from the installed nosa package; the NosaConfig under "nosa"; the eviction heads
+as ``model.layers.{i}.self_attn.nosa_evict.{proj.weight, proj.bias, scale}`` tensors, for every
+layer with full attention (a hybrid model's sliding-window layers have none: they attend to their
+window exactly as the base model does). The *legacy* format (written before the NOSA model types)
+has the base model's type and a "nosa" section: nosa.from_pretrained and the server still load it,
+and ``upgraded_config`` (``python -m nosa.upgrade``) rewrites it. Only json is needed here.
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ class ModelType:
         return {"AutoConfig": f"{module}.{self.config_class}", "AutoModelForCausalLM": f"{module}.{self.architecture}"}
 
 
-def _model_type(base: str, camel: str) -> ModelType:
-    return ModelType(base, f"nosa_{base}", f"{camel}ForCausalLM", f"Nosa{camel}ForCausalLM", f"Nosa{camel}Config")
+def _model_type(base: str, camel: str, config_camel: str | None = None) -> ModelType:
+    return ModelType(base, f"nosa_{base}", f"{camel}ForCausalLM", f"Nosa{camel}ForCausalLM",
+                     f"Nosa{config_camel or camel}Config")
 
 
+# gemma3_text: Gemma 3's text-only causal LM (Gemma3ForCausalLM, config Gemma3TextConfig), a hybrid of
+# sliding-window and full-attention layers; only its full-attention layers carry eviction heads.
 MODEL_TYPES = {t.base: t for t in (_model_type("llama", "Llama"), _model_type("qwen2", "Qwen2"),
-                                   _model_type("qwen3", "Qwen3"))}
+                                   _model_type("qwen3", "Qwen3"), _model_type("gemma3_text", "Gemma3", "Gemma3Text"))}
 BY_NAME = {t.name: t for t in MODEL_TYPES.values()}
 
 CODE_TEXT = f'''"""NOSA model classes of this checkpoint (model types {", ".join(BY_NAME)}).
@@ -56,6 +61,15 @@ The classes are those of the installed nosa package (pip install nosa). Without 
 from nosa.hf_configs import {", ".join(t.config_class for t in MODEL_TYPES.values())}
 from nosa.hf_models import {", ".join(t.architecture for t in MODEL_TYPES.values())}
 '''
+
+
+def nosa_layers(config) -> list[int]:
+    """Indices of the layers that carry eviction heads, from a config.json (a dict) or a transformers
+    config: every layer, except a hybrid model's sliding-window ones (``layer_types`` entries
+    "sliding_attention", as Gemma 3 has)."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    types = get("layer_types") or ["full_attention"] * get("num_hidden_layers")
+    return [i for i, t in enumerate(types) if t != "sliding_attention"]
 
 
 def kind(config: dict) -> str:

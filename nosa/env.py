@@ -91,6 +91,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "The real pretrained model's checkpoint directory for the tests under tests/real (unset: "
            "models/smollm2-135m in the repository, written by `python -m nosa.models smollm2`).",
            ("tests/real/conftest.py",)),
+    EnvVar("NOSA_GEMMA_MODEL", None,
+           "Gemma 3 270M's checkpoint directory for the tests under tests/real (unset: models/gemma3-270m in "
+           "the repository, written by `python -m nosa.models gemma3-270m`).",
+           ("tests/real/conftest.py",)),
     EnvVar("NOSA_WHEELS", ".whl",
            "The folder of wheels (FlashInfer) that scripts/gpu_check.sh installs on a GPU machine with no "
            "registry; without wheels there it tries the registry.",

@@ -1,14 +1,16 @@
 """The "nosa" attention of transformers models: the attention function and the eviction heads it reads.
 
-``add_eviction_heads`` gives every attention module an ``EvictionHead`` (``nosa_evict``) and the
-NosaConfig; ``register`` makes "nosa" a transformers attention implementation (with the SDPA mask
-function, so padding reaches us); the NOSA model classes (nosa.hf_models) use both. Per sequence,
-in the layout of nosa.layout: prefill/training rows go through ``nosa_prefill`` (the spec),
-single-token decode rows through a ``NosaDecodeState`` per (layer, batch row), checked against
-the cache on every step (a stale state is rebuilt, not trusted). Packed rows: pass
-``position_ids`` that restart at 0 per document and ``use_cache=False``: each document attends
-only to itself (``nosa_prefill_varlen``), as transformers' dense mask from the same position_ids.
-``capture_attention_inputs(model)`` records each layer's q/k/v for analysis (nosa.train.metrics).
+``add_eviction_heads`` gives every full-attention module an ``EvictionHead`` (``nosa_evict``) and
+the NosaConfig (a hybrid model's sliding-window layers, Gemma 3's, get none and keep SDPA over their
+window: ``nosa_attention_modules`` lists the layers NOSA selects in); ``register`` makes "nosa" a
+transformers attention implementation (with the SDPA mask function, so padding reaches us); the NOSA
+model classes (nosa.hf_models) use both. Per sequence, in the layout of nosa.layout:
+prefill/training rows go through ``nosa_prefill`` (the spec), single-token decode rows through a
+``NosaDecodeState`` per (layer, batch row), checked against the cache on every step (a stale state
+is rebuilt, not trusted). Packed rows: pass ``position_ids`` that restart at 0 per document and
+``use_cache=False``: each document attends only to itself (``nosa_prefill_varlen``), as
+transformers' dense mask from the same position_ids. ``capture_attention_inputs(model)`` records
+each layer's q/k/v for analysis (nosa.train.metrics).
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import torch
 
 from nosa.attention.math import dense_attention
 from nosa.attention.prefill import nosa_prefill, nosa_prefill_varlen
-from nosa.checkpoint_format import MODEL_TYPES
+from nosa.checkpoint_format import MODEL_TYPES, nosa_layers
 from nosa.config import CONFIG_KEY, NosaConfig
 from nosa.decode import NosaDecodeState
 from nosa.eviction import MODULE_NAME, EvictionHead
 from nosa.kv import ContiguousKV
 
 ATTN_IMPLEMENTATION = "nosa"
-SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)  # llama, qwen2, qwen3: the base models NOSA extends
+SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)  # llama, qwen2, qwen3, gemma3_text: the base models NOSA extends
 
 
 def register() -> None:
@@ -38,12 +40,28 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
+def nosa_attention_modules(model) -> list[tuple[str, object]]:
+    """(name, module) of every attention module NOSA selects in: those with an eviction head, in
+    layer order (all of a Llama's; a Gemma 3's full-attention layers only)."""
+    return [(name, m) for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, MODULE_NAME)]
+
+
 def add_eviction_heads(model, config: NosaConfig) -> None:
-    """Give every attention module of a Llama / Qwen2 / Qwen3 model an eviction head (W, b and A = 0,
-    so attention starts as training-free NOSA selection) where it lacks one, and ``config``; store
-    ``config`` in ``model.config.nosa``. The heads take the device and dtype of ``k_proj``."""
+    """Give every full-attention module of a Llama / Qwen2 / Qwen3 / Gemma 3 model an eviction head
+    (W, b and A = 0, so attention starts as training-free NOSA selection) where it lacks one, and
+    ``config``; store ``config`` in ``model.config.nosa``. Sliding-window layers
+    (nosa.checkpoint_format.nosa_layers, the one rule the server reads too) get neither: their KV is
+    bounded by the window already. The heads take the device and dtype of ``k_proj``."""
     num_kv = model.config.num_key_value_heads
-    for attn in _attention_modules(model):
+    full = set(nosa_layers(model.config))
+    for i, attn in enumerate(_attention_modules(model)):
+        if i not in full:
+            continue
+        if getattr(attn, "attn_logit_softcapping", None) is not None:
+            raise ValueError(
+                f"nosa: {type(attn).__name__} soft-caps its attention logits "
+                f"(attn_logit_softcapping={attn.attn_logit_softcapping}); NOSA attention does not implement it"
+            )
         if not hasattr(attn, MODULE_NAME):
             ref = attn.k_proj.weight
             setattr(attn, MODULE_NAME, EvictionHead(num_kv, attn.head_dim, device=ref.device, dtype=ref.dtype))
@@ -78,6 +96,11 @@ def nosa_attention_forward(
     cache); attention_mask: None or the SDPA mask [B, 1, S, L] (bool, or float with -inf);
     position_ids [B, S] or [1, S]: where they restart, a new document starts (only without a cached
     prefix, S == L). Returns ([B, S, Hq, D], None)."""
+    if not hasattr(module, MODULE_NAME):  # a sliding-window layer: the base model's attention, unchanged
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # cycle: as register's
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     if dropout:
         raise ValueError("NOSA attention does not implement attention dropout; set attention_dropout=0")
     cfg: NosaConfig = module._nosa_config
@@ -131,7 +154,7 @@ def nosa_attention_forward(
 
 @contextlib.contextmanager
 def capture_attention_inputs(model, batch_row: int | None = 0, detach: bool = True):
-    """Record the attention inputs of every NOSA layer of ``model`` while active.
+    """Record the attention inputs of every NOSA layer of ``model`` (``nosa_attention_modules``) while active.
 
     Yields a dict, filled as the model runs: attention module name (``model.layers.0.self_attn``)
     -> (q [S, Hq, D], k [L, Hkv, D], v [L, Hkv, D]) of batch row ``batch_row`` (None: every row,
@@ -139,8 +162,8 @@ def capture_attention_inputs(model, batch_row: int | None = 0, detach: bool = Tr
     them: nosa.train.select_loss). Only attributes of these modules are touched, and removed on
     exit: outputs do not change and transformers' global attention registry is left alone."""
     captured: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    modules = [(name, m) for name, m in model.named_modules() if name.endswith("self_attn")]
-    if not any(hasattr(m, MODULE_NAME) for _, m in modules):
+    modules = nosa_attention_modules(model)
+    if not modules:
         raise ValueError(f"capture_attention_inputs: {type(model).__name__} is not a NOSA model (nosa.convert it)")
 
     def hook(name):

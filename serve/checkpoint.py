@@ -68,8 +68,9 @@ def config_from_env() -> NosaConfig:
         raise ValueError(f"nosa backend: malformed ${ENV_CONFIG}: {err}") from err
 
 
-def load_eviction_heads(model_dir: str, num_layers: int, kv_heads: KVHeadShard, head_dim: int, device) -> list:
-    """One eviction head per layer with the checkpoint's W, b, A, mapping this rank's value heads
+def load_eviction_heads(model_dir: str, layers: list[int], kv_heads: KVHeadShard, head_dim: int, device) -> list:
+    """One eviction head per layer of ``layers`` (the layers with NOSA attention,
+    nosa.checkpoint_format.nosa_layers; in that order) with the checkpoint's W, b, A, mapping this rank's value heads
     v [T, kv_heads.local, D] to cis [T, kv_heads.local]: a float32 EvictionHead with one
     tensor-parallel rank, else a ShardedEvictionHead (nosa.serve.sharded_eviction) that sums its
     partial projections over SGLang's attention-TP group.
@@ -78,11 +79,11 @@ def load_eviction_heads(model_dir: str, num_layers: int, kv_heads: KVHeadShard, 
     found: dict[tuple[int, str], torch.Tensor] = {}
     for key, tensor in read_eviction_tensors(model_dir).items():
         m = _PARAM.search(key)
-        if m and int(m.group(1)) < num_layers:
+        if m and int(m.group(1)) in layers:
             found[(int(m.group(1)), m.group(2))] = tensor
     all_reduce = _attention_tp_all_reduce() if kv_heads.communicates else None
     heads = []
-    for layer in range(num_layers):
+    for layer in layers:
         head = EvictionHead(kv_heads.real, head_dim, device=device, dtype=torch.float32)
         state = {}
         for part in ("proj.weight", "proj.bias", "scale"):

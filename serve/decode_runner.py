@@ -60,12 +60,16 @@ class PoolResolver:
     """The InPlaceResolver of SGLang's token-slot KV pool, as the decode step reads it (offloading
     off): ``pool`` has get_key_buffer / get_value_buffer(layer) [slots, Hkv, D]; ``cis`` [layers] of
     [slots, Hkv] float32, the eviction scores the backend keeps beside it; ``req_to_token`` [rows,
-    max_ctx]; ``heads`` the layers' eviction heads (for tokens another prefill backend wrote)."""
+    max_ctx]; ``heads`` the layers' eviction heads (for tokens another prefill backend wrote).
+    ``layer`` arguments are NOSA layers; ``layer_ids`` maps them to the pool's (SGLang's) layer ids
+    (None: the same; a hybrid model's sliding-window layers have no NOSA layer)."""
 
     in_place = True
 
-    def __init__(self, pool, cis: list[torch.Tensor], req_to_token: torch.Tensor, heads, block_size: int):
-        self.pool, self.cis, self.req_to_token, self.heads = pool, cis, req_to_token, heads
+    def __init__(self, pool, cis: list[torch.Tensor], req_to_token: torch.Tensor, heads, block_size: int,
+                 layer_ids: list[int] | None = None):
+        self.pool = pool if layer_ids is None else _LayerMap(pool, layer_ids)
+        self.cis, self.req_to_token, self.heads = cis, req_to_token, heads
         self.block_size = block_size
 
     def view(self, layer: int, metadata: ForwardMetadata) -> PagedKV:
@@ -106,6 +110,19 @@ class PoolResolver:
         """Device side: the wanted blocks' rows, read in place (the new tokens are in the pool)."""
         return paged_rows(self.pool.get_key_buffer(layer), self.pool.get_value_buffer(layer), self.cis[layer],
                           self.req_to_token, inputs.rows, wanted.blocks, inputs.lengths, self.block_size)
+
+
+class _LayerMap:
+    """SGLang's KV pool read by NOSA layer (the i-th layer with NOSA attention)."""
+
+    def __init__(self, pool, layer_ids: list[int]):
+        self.pool, self.layer_ids = pool, layer_ids
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        return self.pool.get_key_buffer(self.layer_ids[layer])
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor:
+        return self.pool.get_value_buffer(self.layer_ids[layer])
 
 
 class DecodeRunner:

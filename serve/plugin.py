@@ -41,11 +41,11 @@ def register() -> None:
 
 
 def _register_checkpoint_format() -> None:
-    """NOSA checkpoints have model_type nosa_llama (nosa_qwen2, nosa_qwen3) and architecture
-    NosaLlamaForCausalLM (...). AutoConfig learns the model types now; SGLang's model registry
-    learns the architectures once it is imported (importing it loads every SGLang model, which only
-    the scheduler needs), served by SGLang's own Llama / Qwen2 / Qwen3 classes: the eviction heads
-    are the backend's (nosa.serve.checkpoint)."""
+    """NOSA checkpoints have model_type nosa_llama (nosa_qwen2, nosa_qwen3, nosa_gemma3_text) and
+    architecture NosaLlamaForCausalLM (...). AutoConfig learns the model types now; SGLang's model
+    registry learns the architectures once it is imported (importing it loads every SGLang model,
+    which only the scheduler needs), served by SGLang's own Llama / Qwen2 / Qwen3 / Gemma 3 classes:
+    the eviction heads are the backend's (nosa.serve.checkpoint)."""
     from nosa.hf_configs import register as register_configs  # optional: transformers (nosa.hf_configs')
 
     register_configs()
@@ -53,14 +53,27 @@ def _register_checkpoint_format() -> None:
 
 
 def _add_architectures() -> None:
-    from sglang.srt.models.llama import LlamaForCausalLM  # optional: sglang (once its model registry loads)
+    from sglang.srt.models.gemma3_causal import Gemma3ForCausalLM  # optional: sglang (once its registry loads)
+    from sglang.srt.models.llama import LlamaForCausalLM  # optional: sglang
     from sglang.srt.models.qwen2 import Qwen2ForCausalLM  # optional: sglang
     from sglang.srt.models.qwen3 import Qwen3ForCausalLM  # optional: sglang
     from sglang.srt.models.registry import ModelRegistry  # optional: sglang
 
-    served_by = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+    served_by = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+                 "gemma3_text": _without_eviction_heads(Gemma3ForCausalLM)}
     for base, model_class in served_by.items():
         ModelRegistry.models[MODEL_TYPES[base].architecture] = model_class
+
+
+def _without_eviction_heads(model_class):
+    """``model_class`` whose weight loader never sees the checkpoint's eviction-head tensors (SGLang's
+    Llama and Qwen loaders skip unknown names; its Gemma 3 loader raises KeyError on them)."""
+    from nosa.eviction import MODULE_NAME  # optional: torch (nosa.eviction's; the plugin itself imports none)
+
+    def load_weights(self, weights):
+        return model_class.load_weights(self, ((n, w) for n, w in weights if f".{MODULE_NAME}." not in n))
+
+    return type(model_class.__name__, (model_class,), {"load_weights": load_weights, "__module__": __name__})
 
 
 _OFFLOAD_HOOKS = []

@@ -20,11 +20,13 @@ if not torch.cuda.is_available():
 #   one worker, so that no two of them hold their servers at the same time (about half a GB of RAM
 #   per SGLang process, a dozen processes per module); the session's shared servers
 #   (tests/serve/conftest.py) are theirs;
-# - tests/real is one group (one model download, one dense model).
+# - tests/real is one group (one model download, one dense model), except its Gemma 3 tests, which
+#   are a group of their own (another model: they run beside the SmolLM2 ones).
 # Groups run longest first, so that the two workers end together.
 MANY_SERVERS = ("serve/test_parallel.py", "serve/test_cpu_graphs.py", "serve/test_validation.py",
                 "serve/test_sglang_backend.py", "serve/test_offload.py")
-LONGEST_FIRST = ("many-servers", "real", "serve/test_decode_graph.py", "serve/test_soak.py",
+LONGEST_FIRST = ("many-servers", "real", "real/test_gemma3.py", "serve/test_hybrid.py",
+                 "serve/test_decode_graph.py", "serve/test_soak.py",
                  "serve/test_serve_ask.py", "serve/test_trained_checkpoint.py", "serve/test_engine.py",
                  "test_kernels_aot.py", "test_attention.py", "test_load.py", "test_locality.py")
 
@@ -33,6 +35,8 @@ def group_of(path: str) -> str:
     """The group of a test file, ``path`` relative to tests/."""
     if path in MANY_SERVERS:
         return "many-servers"
+    if path == "real/test_gemma3.py":
+        return path
     return "real" if path.startswith("real/") else path
 
 

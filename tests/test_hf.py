@@ -10,16 +10,18 @@ transformers = pytest.importorskip("transformers")
 import nosa  # noqa: E402
 from nosa import NosaConfig, NosaDecodeState  # noqa: E402
 from nosa.hf import SUPPORTED_MODEL_TYPES  # noqa: E402
-from nosa.tiny import build_causal_lm, set_eviction_heads  # noqa: E402
+from nosa.tiny import build_causal_lm, hybrid_layout, set_eviction_heads  # noqa: E402
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3_text")
 
 
-def tiny_model(arch="llama", seed=0, attn="sdpa"):
+def tiny_model(arch="llama", seed=0, attn="sdpa", layers=2):
+    """gemma3_text: a sliding-window layer (32 tokens) then a full-attention one, Gemma's own
+    query scale and two RoPE bases (nosa.tiny.hybrid_layout)."""
     return build_causal_lm(arch, seed=seed, attn_implementation=attn, vocab_size=96, hidden_size=64,
-                           intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                            num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0,
-                           eos_token_id=1, bos_token_id=2).eval()
+                           eos_token_id=1, bos_token_id=2, **hybrid_layout(arch, layers, head_dim=16)).eval()
 
 
 def set_eviction(model, a, seed=0):
@@ -36,6 +38,55 @@ def test_full_budget_zero_a_equals_dense_model(arch):
         assert model.config._attn_implementation == "nosa"
         out = model(x).logits
     torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-4)
+
+
+def test_hybrid_model_selects_in_its_full_attention_layers_only():
+    """Gemma 3: eviction heads on the full-attention layers only; a sliding-window layer gives exactly
+    the base model's output (its window, its own scale and RoPE base) while NOSA selects in the
+    full layers (sparse there, so the logits differ from dense)."""
+    model = tiny_model("gemma3_text", layers=4)
+    x = torch.randint(3, 96, (1, 200))
+    with torch.no_grad():
+        dense = model(x, output_hidden_states=True).hidden_states
+        nosa.convert(model, NosaConfig.tiny())
+        set_eviction(model, 0.7)
+        sparse = model(x, output_hidden_states=True).hidden_states
+    names = [name for name, _ in nosa.hf.nosa_attention_modules(model)]
+    assert names == ["model.layers.1.self_attn", "model.layers.3.self_attn"]
+    assert not any(hasattr(model.model.layers[i].self_attn, "nosa_evict") for i in (0, 2))
+    torch.testing.assert_close(sparse[1], dense[1], atol=0, rtol=0)  # layer 0 (sliding): untouched
+    assert (sparse[2] - dense[2]).abs().max() > 1e-3  # layer 1 (full): 200 tokens, budget 128: sparse
+
+
+def test_hybrid_decode_equals_prefill_row_for_row():
+    """Gemma 3 generating past its window and its budget: every greedy token of the cached decode
+    path (sliding layers on transformers' sliding cache, full layers on NosaDecodeState) is the
+    prefill path's argmax at that row, and the logits agree."""
+    model = nosa.convert(tiny_model("gemma3_text", layers=4), NosaConfig.tiny())
+    set_eviction(model, 0.7)
+    prompt = torch.randint(3, 96, (2, 150))
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, min_new_tokens=40,
+                         do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        logits = model(out.sequences).logits
+    assert torch.equal(logits[:, 149:-1].argmax(-1), out.sequences[:, 150:])
+    torch.testing.assert_close(torch.stack(out.logits, 1), logits[:, 149:-1], atol=1e-4, rtol=1e-4)
+
+
+def test_soft_capped_attention_is_refused():
+    model = tiny_model("gemma3_text")
+    model.config.attn_logit_softcapping = 50.0
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = 50.0
+    with pytest.raises(ValueError, match="soft-caps its attention logits"):
+        nosa.convert(model, NosaConfig.tiny())
+
+
+def test_multimodal_gemma3_is_refused_naming_the_text_model():
+    model = tiny_model("gemma3_text")
+    model.config.model_type = "gemma3"
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM, model_type gemma3_text"):
+        nosa.convert(model, NosaConfig.tiny())
 
 
 def test_sparse_model_differs_and_left_padding_matches_unpadded():

@@ -20,11 +20,11 @@ transformers = pytest.importorskip("transformers")
 
 import nosa  # noqa: E402
 from nosa import checkpoint_format  # noqa: E402
-from nosa.tiny import build_causal_lm, set_eviction_heads  # noqa: E402
+from nosa.tiny import build_causal_lm, hybrid_layout, set_eviction_heads  # noqa: E402
 from nosa.upgrade import main, upgrade  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3_text")
 CFG = nosa.NosaConfig.tiny(dense_len=32)  # budget 8 blocks x 16 tokens: 140 tokens are sparse
 IDS = torch.randint(3, 96, (2, 140), generator=torch.Generator().manual_seed(0))
 
@@ -32,7 +32,8 @@ IDS = torch.randint(3, 96, (2, 140), generator=torch.Generator().manual_seed(0))
 def tiny_model(arch, seed=0):
     return build_causal_lm(arch, seed=seed, vocab_size=96, hidden_size=64, intermediate_size=128,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=2048, pad_token_id=0, eos_token_id=1, bos_token_id=2).eval()
+                           max_position_embeddings=2048, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                           **hybrid_layout(arch, 2, head_dim=16)).eval()
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,13 @@ from typing import Any
 
 import yaml
 
-from nosa.checkpoint_format import BY_NAME
+from nosa.checkpoint_format import BY_NAME, MODEL_TYPES
 from nosa.config import NosaConfig
 from nosa.train.ruler import STYLES as RULER_STYLES
 from nosa.train.ruler import TASKS as RULER_TASKS
 from nosa.train.synthetic import TASKS
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)  # llama, qwen2, qwen3, gemma3_text
 
 
 @dataclass

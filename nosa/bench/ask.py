@@ -25,6 +25,7 @@ from nosa.bench.results import write_result
 from nosa.bench.server.dashboard import load_timeline, plot
 from nosa.bench.server.process import ServerProcess
 from nosa.bench.server.stats import counters
+from nosa.checkpoint_format import nosa_layers
 from nosa.config import NosaConfig
 
 
@@ -72,7 +73,7 @@ def recall_plan(args) -> Plan:
         for a in ex["answers"]:
             asked.append(Question(f"example {e:2d}", tokenizer.decode([ids[a - 1]]).strip(), ids[:a],
                                   (tokenizer.decode([ids[a]]),), args.after + 1, a))
-    return Plan(os.path.abspath(args.checkpoint), cfg, config["num_hidden_layers"] * config["num_key_value_heads"],
+    return Plan(os.path.abspath(args.checkpoint), cfg, len(nosa_layers(config)) * config["num_key_value_heads"],
                 asked, f"{len(asked)} questions from {len(examples)} held-out examples")
 
 
@@ -103,7 +104,7 @@ def suite_plan(args, work: str) -> Plan:
                       scorer=lambda reply, ex=ex: float(suite.score(reply, ex)), dense=d)
              for ex, d in zip(examples, dense)]
     name = "NVIDIA's RULER" if suite.name == "ruler" else "the long-context suite"
-    return Plan(serve_path, cfg, config["num_hidden_layers"] * config["num_key_value_heads"], asked,
+    return Plan(serve_path, cfg, len(nosa_layers(config)) * config["num_key_value_heads"], asked,
                 f"{len(asked)} prompts of {name} at {args.length} tokens ({', '.join(suite.tasks)}), "
                 f"budget 1/{args.share} of the blocks, {heads} eviction heads", env)
 

@@ -525,3 +525,4 @@ def suite(root: Path) -> str:
             "test's setup):")
     rows = [[f"`{t['test']}`", f"{t['seconds']:.0f} s"] for t in data["slowest"]]
     return head + "\n\n" + table(["test", "time"], rows)
+

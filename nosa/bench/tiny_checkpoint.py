@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import nosa
-from nosa.tiny import set_eviction_heads, tiny_llama
+from nosa.tiny import build_causal_lm, hybrid_layout, set_eviction_heads, tiny_llama
 from nosa.train.tokenizer import CHAT_TEMPLATE, add_bos
 
 VOCAB = 320  # 256 bytes + specials, padded
@@ -52,14 +52,23 @@ def make_tokenizer(path: str) -> None:
     fast.save_pretrained(path)
 
 
-def make_checkpoint(path: str, nosa_config=None, seed: int = 0, evict_scale: float = 0.0, kv_heads: int = 2) -> str:
-    """A 2-layer Llama (hidden 128, 4 query heads over ``kv_heads`` KV heads, head_dim 32). With
+def make_checkpoint(path: str, nosa_config=None, seed: int = 0, evict_scale: float = 0.0, kv_heads: int = 2,
+                    model_type: str = "llama", window: int = 64) -> str:
+    """A 2-layer Llama (hidden 128, 4 query heads over ``kv_heads`` KV heads, head_dim 32), or with
+    ``model_type`` "gemma3_text" a 4-layer Gemma 3 of the same widths whose layers alternate a
+    sliding window of ``window`` tokens and full attention (nosa.tiny.hybrid_layout). With
     ``nosa_config`` the model is converted by nosa.convert and its eviction heads get random weights
     and A = ``evict_scale``, so the checkpoint carries a ``nosa`` section and non-zero eviction heads."""
     # larger weights (init_std) so greedy ties are unlikely
-    model = tiny_llama(layers=2, hidden=HIDDEN, heads=4, kv_heads=kv_heads, vocab=VOCAB, seed=seed, intermediate=256,
-                       max_positions=4096, rope_theta=10000.0, bos_token_id=256, eos_token_id=257,
-                       tie_word_embeddings=False, init_std=0.08)
+    if model_type == "llama":
+        model = tiny_llama(layers=2, hidden=HIDDEN, heads=4, kv_heads=kv_heads, vocab=VOCAB, seed=seed,
+                           intermediate=256, max_positions=4096, rope_theta=10000.0, bos_token_id=256,
+                           eos_token_id=257, tie_word_embeddings=False, init_std=0.08)
+    else:
+        model = build_causal_lm(model_type, seed=seed, init_std=0.08, vocab_size=VOCAB, hidden_size=HIDDEN,
+                                intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                num_key_value_heads=kv_heads, max_position_embeddings=4096, bos_token_id=256,
+                                eos_token_id=257, pad_token_id=0, **hybrid_layout(model_type, 4, 32, window))
     if nosa_config is not None:
         nosa.convert(model, nosa_config)
         set_eviction_heads(model, scale=evict_scale, std=0.3, seed=seed, bias_std=0.3)

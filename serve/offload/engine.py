@@ -116,7 +116,9 @@ class OffloadEngine:
     def prefetch(self, layer: int, metadata: ForwardMetadata, states) -> None:
         """Start moving ``layer``'s predicted blocks for this decode step (the layer before it is
         about to attend). ``states``: the request registry (nosa.serve.registry.RequestRegistry)."""
-        if layer >= self.num_layers or not self.cache.may_prefetch(layer, metadata.groups, metadata.lengths):
+        if layer >= self.num_layers or not all(metadata.rows):  # padding rows (a graph runner's capture): none
+            return
+        if not self.cache.may_prefetch(layer, metadata.groups, metadata.lengths):
             return
         layer_states = [states.get(row, layer) for row in metadata.rows]
         if all(s is None for s in layer_states):

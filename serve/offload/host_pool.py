@@ -4,7 +4,9 @@ With offloading, SGLang's allocator ids are host slots and its pool is sized to 
 so its scheduler, chunked prefill, length limits and leak checks work unchanged against host memory.
 Layout per layer (SGLang's "HND", one page = one NOSA block): K, V [P, Hkv, B, D] and cis [P, Hkv, B]
 float32; item ``page * Hkv + h`` of the [P * Hkv, B, D] view is one (block, KV head), the unit
-nosa.ops.copy_items moves; token slot ``s`` is page ``s // B``, offset ``s % B``. On CUDA the buffers
+nosa.ops.copy_items moves; token slot ``s`` is page ``s // B``, offset ``s % B``. Only the layers with
+NOSA attention have buffers (a hybrid model's sliding-window layers keep their window on the device:
+nosa.serve.window), indexed 0..n-1 in layer order: ``items(i)`` takes that index. On CUDA the buffers
 are pinned in chunks, so the recall kernel reads them directly. ``register_hooks`` (the plugin, every
 process) hooks the pool class, its size and the cap on running requests (the device budget's
 ``max_requests``); ``verify`` checks at start-up that each took effect.
@@ -18,6 +20,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from nosa.checkpoint_format import nosa_layers
 from nosa.serve.checkpoint import load_nosa_config, resolve_model_dir
 from nosa.serve.offload.kv import TokenRowMemo, write_token_rows
 from nosa.serve.offload.settings import OffloadSettings, check_host_memory
@@ -33,24 +36,29 @@ class HostKVPool(MHATokenToKVPool):
 
     # SGLang reads $SGLANG_USE_HND_KVCACHE into ``use_hnd`` in __init__; this pool is always HND.
     use_hnd = property(lambda self: True, lambda self, value: None)
+    nosa_layer_ids: tuple[int, ...] | None = None  # the model's layers with NOSA attention (None: all)
 
     def _create_buffers_normal(self):
+        mine = range(self.start_layer, self.start_layer + self.layer_num)
+        ids = [i for i in mine if self.nosa_layer_ids is None or i in self.nosa_layer_ids]
+        self.nosa_index = {layer_id: n for n, layer_id in enumerate(ids)}  # SGLang layer id -> buffer
+        layers = len(self.nosa_index)
         shape = (self.num_pages, self.head_num, self.page_size)
-        nbytes = self.layer_num * (self.num_pages * self.head_num * self.page_size
-                                   * ((self.head_dim + self.v_head_dim) * self.store_dtype.itemsize + 4))
-        check_host_memory(nbytes, f"{self.layer_num} layers x {self.num_pages} pages of {self.page_size} tokens")
-        self.k_buffer = [torch.zeros(*shape, self.head_dim, dtype=self.store_dtype) for _ in range(self.layer_num)]
-        self.v_buffer = [torch.zeros(*shape, self.v_head_dim, dtype=self.store_dtype) for _ in range(self.layer_num)]
-        self.cis_buffer = [torch.zeros(shape, dtype=torch.float32) for _ in range(self.layer_num)]
+        nbytes = layers * (self.num_pages * self.head_num * self.page_size
+                           * ((self.head_dim + self.v_head_dim) * self.store_dtype.itemsize + 4))
+        check_host_memory(nbytes, f"{layers} layers x {self.num_pages} pages of {self.page_size} tokens")
+        self.k_buffer = [torch.zeros(*shape, self.head_dim, dtype=self.store_dtype) for _ in range(layers)]
+        self.v_buffer = [torch.zeros(*shape, self.v_head_dim, dtype=self.store_dtype) for _ in range(layers)]
+        self.cis_buffer = [torch.zeros(shape, dtype=torch.float32) for _ in range(layers)]
         if torch.device(self.device).type == "cuda":
             for buf in (*self.k_buffer, *self.v_buffer, *self.cis_buffer):
                 _pin(buf)
 
     # ---- item views (what the recall engine copies) -------------------------------------------
-    def items(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(k [P*Hkv, B, D], v [P*Hkv, B, Dv], cis [P*Hkv, B]) of one layer; item = page * Hkv + h.
-        The views are made once per layer (several calls per layer and step)."""
-        i = layer_id - self.start_layer
+    def items(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k [P*Hkv, B, D], v [P*Hkv, B, Dv], cis [P*Hkv, B]) of NOSA layer i (the i-th layer with
+        NOSA attention); item = page * Hkv + h. The views are made once per layer (several calls
+        per layer and step)."""
         views = getattr(self, "_item_views", {}).get(i)
         if views is None or views[0].data_ptr() != self.k_buffer[i].data_ptr():
             views = (self.k_buffer[i].flatten(0, 1), self.v_buffer[i].flatten(0, 1), self.cis_buffer[i].flatten(0, 1))
@@ -73,14 +81,17 @@ class HostKVPool(MHATokenToKVPool):
             raise NotImplementedError("nosa offloading: scaled or masked KV writes are not supported")
         loc, _, _ = unwrap_write_loc(loc_info)
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
-        k_items, v_items, _ = self.items(layer_id)
+        if layer_id not in self.nosa_index:
+            raise ValueError(f"nosa offloading: layer {layer_id} has no host KV (a sliding-window layer keeps its "
+                             "window on the device, nosa.serve.window)")
+        k_items, v_items, _ = self.items(self.nosa_index[layer_id])
         write_token_rows([k_items.view(-1, self.head_dim), v_items.view(-1, self.v_head_dim)],
                          [cache_k.to(self.dtype).reshape(-1, self.head_dim),
                           cache_v.to(self.dtype).reshape(-1, self.v_head_dim)], self.token_rows(loc).flatten())
 
-    def set_cis(self, layer_id: int, loc: torch.Tensor, cis: torch.Tensor) -> None:
-        """Eviction scores of new tokens [T, Hkv] into their host slots."""
-        _, _, cis_items = self.items(layer_id)
+    def set_cis(self, i: int, loc: torch.Tensor, cis: torch.Tensor) -> None:
+        """Eviction scores of new tokens [T, Hkv] of NOSA layer i into their host slots."""
+        _, _, cis_items = self.items(i)
         write_token_rows([cis_items.view(-1, 1)], [cis.float().reshape(-1, 1)], self.token_rows(loc).flatten())
 
     def get_cpu_copy(self, *args, **kwargs):
@@ -106,7 +117,10 @@ def register_hooks(settings: OffloadSettings) -> None:
     """Install the host pool through SGLang's HookRegistry (called by the plugin in every process)."""
     def pool_class(original, self, *, kind, default):
         cls = original(self, kind=kind, default=default)
-        return HostKVPool if kind == "mha" and cls is MHATokenToKVPool else cls
+        if kind != "mha" or cls is not MHATokenToKVPool:
+            return cls
+        layers = tuple(nosa_layers(self.model_config.hf_text_config))
+        return type(HostKVPool.__name__, (HostKVPool,), {"nosa_layer_ids": layers, "__module__": __name__})
 
     def profile(original, self, *args, **kwargs):
         # the pool lives in host memory: device memory does not bound it (RAM is checked on allocation)

@@ -17,18 +17,40 @@ from nosa import env
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _registry_checkpoint(key: str, given: str | None, folder: str) -> str:
+    """Path of registry model ``key``'s checkpoint: ``given`` (an environment variable's value), else
+    models/``folder`` in the repository, written on first use; the test skips with the install
+    command without its packages."""
+    from nosa import models
+
+    path = given or os.path.join(REPO, "models", folder)
+    if not models.is_complete(path):
+        try:
+            models.gguf_path(models.MODELS[key])
+        except models.MissingPackages as err:
+            pytest.skip(str(err))
+    return models.fetch(key, path)
+
+
 @pytest.fixture(scope="session")
 def real_checkpoint():
     """Path of the SmolLM2-135M-Instruct HF checkpoint (written on first use)."""
-    from nosa import models
+    return _registry_checkpoint("smollm2", env.text("NOSA_REAL_MODEL"), "smollm2-135m")
 
-    path = env.text("NOSA_REAL_MODEL") or os.path.join(REPO, "models", "smollm2-135m")
-    if not models.is_complete(path):
-        try:
-            models.gguf_path(models.MODELS["smollm2"])
-        except models.MissingPackages as err:
-            pytest.skip(str(err))
-    return models.fetch("smollm2", path)
+
+@pytest.fixture(scope="session")
+def gemma_checkpoint():
+    """Path of the gemma-3-270m HF checkpoint (written on first use, about 75 s)."""
+    return _registry_checkpoint("gemma3-270m", env.text("NOSA_GEMMA_MODEL"), "gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma_once(gemma_checkpoint):
+    """(dense Gemma 3 with sdpa attention, its tokenizer), loaded once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gemma_checkpoint, attn_implementation="sdpa").eval()
+    return model, AutoTokenizer.from_pretrained(gemma_checkpoint)
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ def test_config_and_heads_match_hf(nosa_ckpt, legacy_copy, tmp_path, form):
         assert json.load(f)["model_type"] == {"nosa": "nosa_llama", "legacy": "llama"}[form]
     cfg, from_ckpt = load_nosa_config(ckpt)
     assert from_ckpt and cfg == CFG
-    heads = load_eviction_heads(ckpt, num_layers=2, kv_heads=KVHeadShard(2, 2), head_dim=32, device="cpu")
+    heads = load_eviction_heads(ckpt, layers=[0, 1], kv_heads=KVHeadShard(2, 2), head_dim=32, device="cpu")
     model = nosa.from_pretrained(nosa_ckpt, torch_dtype=torch.float32)
     v = torch.randn(5, 2, 32)
     for layer, head in zip(model.model.layers, heads):
@@ -43,7 +43,7 @@ def test_tensor_parallel_ranks_get_heads_for_their_kv_heads(nosa_ckpt):
     and computes TP 1's cis alone, rank 1 holds padding heads only (cis 0); no rank needs another."""
     model = nosa.from_pretrained(nosa_ckpt, torch_dtype=torch.float32)
     v = torch.randn(5, 2, 32)
-    ranks = [load_eviction_heads(nosa_ckpt, 2, KVHeadShard(4, 2, r, 2), head_dim=32, device="cpu") for r in (0, 1)]
+    ranks = [load_eviction_heads(nosa_ckpt, [0, 1], KVHeadShard(4, 2, r, 2), head_dim=32, device="cpu") for r in (0, 1)]
     for layer, head0, head1 in zip(model.model.layers, *ranks):
         assert torch.equal(head0(v), layer.self_attn.nosa_evict(v))
         assert torch.equal(head1(torch.zeros(5, 2, 32)), torch.zeros(5, 2))
@@ -70,7 +70,7 @@ def test_malformed_section_is_a_clear_error(nosa_ckpt, tmp_path):
 
 def test_missing_eviction_head_is_a_clear_error(nosa_ckpt):
     with pytest.raises(ValueError, match=r"layers\.2\.self_attn\.nosa_evict"):
-        load_eviction_heads(nosa_ckpt, num_layers=3, kv_heads=KVHeadShard(2, 2), head_dim=32, device="cpu")
+        load_eviction_heads(nosa_ckpt, layers=[0, 1, 2], kv_heads=KVHeadShard(2, 2), head_dim=32, device="cpu")
 
 
 def test_dense_checkpoint_config_from_env(tmp_path, monkeypatch):

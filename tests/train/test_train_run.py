@@ -167,7 +167,7 @@ def test_checkpoint_is_accepted_by_the_serving_loader(first):
     hf = result["model"].config
     one_rank = KVHeadShard(hf.num_key_value_heads, hf.num_key_value_heads)  # every KV head, no TP
     heads = serve_ckpt.load_eviction_heads(
-        path, hf.num_hidden_layers, one_rank, hf.hidden_size // hf.num_attention_heads, "cpu"
+        path, list(range(hf.num_hidden_layers)), one_rank, hf.hidden_size // hf.num_attention_heads, "cpu"
     )
     trained = result["model"].model.layers[1].self_attn.nosa_evict
     assert torch.equal(heads[1].scale, trained.scale.detach().float())
@@ -225,3 +225,26 @@ def test_self_distillation_needs_a_pretrained_teacher(smoke_overrides, tmp_path)
         load_config(SMOKE, smoke_overrides(str(tmp_path)) + ["data.kl_weight=1.0"])
     with pytest.raises(ValueError, match="data.select_weight=-1.0"):
         load_config(SMOKE, smoke_overrides(str(tmp_path)) + ["data.select_weight=-1"])
+
+
+def test_a_hybrid_gemma3_trains_and_its_checkpoint_keeps_the_sliding_layers_dense(tmp_path, smoke_overrides):
+    """The smoke run on a tiny Gemma 3 (sliding-window, full, sliding, full): conversion and a NOSA
+    step; eviction heads only in the full layers, trained; the checkpoint reloads
+    (nosa.from_pretrained) with the trained model's logits."""
+    build = ("{model_type: gemma3_text, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 4, "
+             "num_attention_heads: 4, num_key_value_heads: 1, head_dim: 16, query_pre_attn_scalar: 24, "
+             "sliding_window: 32, max_position_embeddings: 1024, layer_types: [sliding_attention, full_attention, "
+             "sliding_attention, full_attention]}")
+    overrides = smoke_overrides(str(tmp_path), dense_steps=0, steps=1, save_every=0)
+    cfg = load_config(SMOKE, overrides + [f"model.build={build}", "wandb.mode=disabled"])
+    result = run(cfg)
+    model = result["model"].eval()
+    assert [name for name, _ in nosa.hf.nosa_attention_modules(model)] == [
+        "model.layers.1.self_attn", "model.layers.3.self_attn"]
+    assert all(float(attn.nosa_evict.scale.detach().abs().sum()) > 0  # trained: A moved from 0
+               for _, attn in nosa.hf.nosa_attention_modules(model))
+    loaded = nosa.from_pretrained(os.path.join(cfg.out_dir, "nosa")).eval()
+    assert type(loaded).__name__ == "NosaGemma3ForCausalLM"
+    ids = torch.randint(3, 200, (1, 200))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,156 @@
+"""Gemma 3 270M served at long context: SGLang's torch_native against nosa with offloading and the
+recall scheduler, side by side in one run.
+
+    python scripts/bench_gemma.py --quick                  # 8K, about 3 minutes on 2 cores
+    python scripts/bench_gemma.py --context 32768          # -> results/gemma3_serve.json
+
+Each server gets one request of ``--context`` tokens (<bos>, then random ids) and streams
+``--new-tokens`` greedy tokens (bench_serve's measurement: prefill seconds until the first token,
+decode ms per step as the median interval between streamed tokens). The checkpoint is the dense
+``--model`` (python -m nosa.models gemma3-270m) served by nosa with training-free selection (A = 0)
+at ``--share`` of the context's blocks of 64 tokens; the eviction heads do not change the bytes.
+
+Device KV per request, counted from what each server allocates per token and per request:
+- torch_native: SGLang's pool keeps K and V of all 18 layers for every token (it disables its hybrid
+  SWA pool for Gemma 3): layers x KV heads x (head_dim + v_head_dim) x dtype bytes per token; the
+  script checks it against the K and V sizes SGLang logs;
+- nosa with offloading: per request its device block slots in the 3 full layers (the budget, K, V
+  and the float32 eviction score per token), the 15 sliding layers' rings of ``sliding_window``
+  tokens and its decode states (both logged by the backend, for every request row and SGLang's
+  padding row).
+Capacity: how many such requests fit the device bytes torch_native needs for one of them (less the
+padding row's rings and states). Not a
+test: nothing is asserted. Writes JSON with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+
+import torch
+
+from nosa.bench.offload.servers import offload_env, start_server
+from nosa.bench.results import write_result
+from nosa.bench.server.measure import measure
+from nosa.bench.server.stats import offload_counters
+from nosa.checkpoint_format import nosa_layers
+from nosa.config import NosaConfig
+
+BLOCK = 64
+
+
+def nosa_config(context: int, share: float) -> NosaConfig:
+    """Blocks of 64 tokens, a budget of ``share`` of the context's blocks: 1 sink, a window of a
+    quarter of the budget, two query-aware picks, the rest ranked."""
+    budget = max(8, int(context / BLOCK * share))
+    return NosaConfig(block_size=BLOCK, compress_kernel=32, compress_stride=16, sink_blocks=1,
+                      window_blocks=max(2, budget // 4), query_blocks=2, topk_blocks=budget, dense_len=0)
+
+
+def prompt(context: int, new_tokens: int, vocab: int, bos: int) -> list[int]:
+    g = torch.Generator().manual_seed(0)
+    return [bos] + torch.randint(1000, vocab, (context - new_tokens - 1,), generator=g).tolist()
+
+
+def logged(log: str, pattern: str) -> re.Match:
+    found = re.search(pattern, log)
+    if found is None:
+        raise RuntimeError(f"the server log lacks {pattern!r}")
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="models/gemma3-270m", help="the dense Gemma 3 checkpoint")
+    parser.add_argument("--context", type=int, default=32768, help="request length in tokens (--quick: 8192)")
+    parser.add_argument("--new-tokens", type=int, default=24, help="tokens streamed per request")
+    parser.add_argument("--share", type=float, default=0.25, help="NOSA's budget as a share of the blocks")
+    parser.add_argument("--threads", type=int, default=2, help="OMP threads of each server")
+    parser.add_argument("--quick", action="store_true", help="8K instead of --context")
+    parser.add_argument("--out", default=None, help="JSON output (default results/gemma3_serve.json; "
+                        "--quick: results/gemma3_serve_quick.json)")
+    args = parser.parse_args(argv)
+    context = 8192 if args.quick else args.context
+    out_path = args.out or ("results/gemma3_serve_quick.json" if args.quick else "results/gemma3_serve.json")
+    with open(os.path.join(args.model, "config.json")) as f:
+        hf = json.load(f)
+    full = nosa_layers(hf)
+    layers, hkv, dim, window = hf["num_hidden_layers"], hf["num_key_value_heads"], hf["head_dim"], hf["sliding_window"]
+    itemsize = 4  # --dtype float32 (the CPU engine)
+    cfg = nosa_config(context, args.share)
+    ids = prompt(context, args.new_tokens, hf["vocab_size"], hf["bos_token_id"])
+    limit = str(context)  # the prompt and its new tokens fill it exactly (Gemma 3: at most 32768)
+    report = {"model": args.model, "context": context, "new_tokens": args.new_tokens, "dtype": "float32",
+              "layers": layers, "full_layers": full, "sliding_window": window, "nosa_config": cfg.to_dict()}
+    work = tempfile.mkdtemp(prefix="bench_gemma_")
+
+    # ---- torch_native: the whole context of every layer in SGLang's pool --------------------------
+    log = os.path.join(work, "native.log")
+    server = start_server(args.model, ["--attention-backend", "torch_native", "--context-length", limit,
+                                       "--max-total-tokens", limit, "--disable-radix-cache",
+                                       "--chunked-prefill-size", "4096"], log, threads=args.threads)
+    try:
+        native = measure(server, [ids], args.new_tokens)
+    finally:
+        server.stop()
+    text = open(log, errors="replace").read()
+    found = logged(text, r"KV Cache is allocated\. dtype: \S+, #tokens: (\d+), "
+                         r"K size: ([\d.]+) GB, V size: ([\d.]+) GB")
+    per_token = layers * hkv * 2 * dim * itemsize
+    native["kv_bytes_per_token"] = per_token
+    native["logged_pool"] = {"tokens": int(found[1]), "k_gb": float(found[2]), "v_gb": float(found[3]),
+                             "computed_gb": round(int(found[1]) * per_token / 1e9, 2)}
+    native["device_kv_bytes_per_request"] = per_token * context
+    report["torch_native"] = native
+    print(json.dumps({"torch_native": native}), flush=True)
+
+    # ---- nosa: the full layers offloaded, the sliding layers' windows on the device -------------
+    log, stats = os.path.join(work, "nosa.log"), os.path.join(work, "stats.json")
+    device_tokens = cfg.topk_blocks * BLOCK  # one request's block slots
+    env = {**offload_env(context + 4096, device_tokens, stats), "NOSA_CONFIG": cfg.to_json(),
+           "NOSA_RECALL_SCHEDULER": "1"}
+    server = start_server(args.model, ["--attention-backend", "nosa", "--context-length", limit,
+                                       "--page-size", str(BLOCK), "--disable-radix-cache",
+                                       "--chunked-prefill-size", "4096"], log, env=env, threads=args.threads)
+    try:
+        offloaded = measure(server, [ids], args.new_tokens)
+    finally:
+        server.stop()
+    text = open(log, errors="replace").read()
+    states = logged(text, r"decode states of (\d+) request rows, contexts up to \d+ tokens: ([\d.]+) MiB")
+    rings = logged(text, r"(\d+) sliding-window layers \(window \d+\) on the device: "
+                         r"([\d.]+) MiB for (\d+) request rows")
+    slots = cfg.topk_blocks * BLOCK * hkv * len(full) * (2 * dim * itemsize + 4)  # K, V and cis per slot token
+    # rings and decode states are allocated for every request row plus SGLang's padding row 0
+    per_request = {"block_slots": slots,
+                   "sliding_windows": int(float(rings[2]) * 2**20 / (int(rings[3]) + 1)),
+                   "decode_states": int(float(states[2]) * 2**20 / (int(states[1]) + 1))}
+    offloaded["device_kv_bytes_per_request"] = sum(per_request.values())
+    offloaded["device_bytes_per_request_parts"] = per_request
+    padding_row = per_request["sliding_windows"] + per_request["decode_states"]
+    offloaded["host_kv_bytes_per_token"] = len(full) * hkv * (2 * dim * itemsize + 4)
+    offloaded.update(offload_counters(stats))
+    steps = max(1, offloaded["layer_steps"] // len(full))
+    offloaded["recalled_bytes_per_step"] = round(offloaded["recalled_bytes"] / steps)
+    report["nosa_offload"] = offloaded
+    budget = native["device_kv_bytes_per_request"]
+    report["capacity"] = {
+        "device_budget_bytes": budget, "torch_native_requests": 1,
+        "nosa_offload_requests": (budget - padding_row) // offloaded["device_kv_bytes_per_request"],
+    }
+    report["decode_speed_nosa_over_native"] = round(native["ms_per_decode_step"] / offloaded["ms_per_decode_step"], 3)
+    report["prefill_nosa_over_native"] = round(offloaded["prefill_s"] / native["prefill_s"], 3)
+    print(json.dumps({k: report[k] for k in ("capacity", "decode_speed_nosa_over_native",
+                                             "prefill_nosa_over_native")}), flush=True)
+    write_result(out_path, report)
+    print(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
