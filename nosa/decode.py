@@ -18,13 +18,14 @@ import torch
 
 from nosa.attention.gathered import chunk_end, default_row_chunk
 from nosa.attention.math import attend_gathered, dense_attention
-from nosa.attention.prefill import attend_selected
+from nosa.attention.paired import PLAN_PAIRS
+from nosa.attention.prefill import attend_selected, select_rows
 from nosa.compress import compress_windows, pool_to_blocks
 from nosa.config import NosaConfig
 from nosa.eviction import block_means
 from nosa.kv import ContiguousKV, DeviceRows, KVView
 from nosa.layout import NEG_INF
-from nosa.select import block_scores_from_logits, query_block_scores, select_blocks, selection_change, static_selection
+from nosa.select import block_scores_from_logits, select_blocks, selection_change, static_selection
 
 
 class DecodeStore(Protocol):
@@ -56,6 +57,12 @@ class DecodeStore(Protocol):
     def raise_pooled(self, pooled: torch.Tensor) -> None: ...
 
     def set_sizes(self, num_windows: int, num_blocks: int) -> None: ...
+
+
+def union_rows(cfg: NosaConfig, num_kv_heads: int, row_chunk: int) -> int:
+    """Rows of a prefill whose selected blocks ``NosaDecodeState.prefill`` gathers at once: the rows
+    of one ``attend_pairs`` plan (PLAN_PAIRS (row, KV head, block) pairs), in whole row chunks."""
+    return max(row_chunk, PLAN_PAIRS // max(1, num_kv_heads * cfg.topk_blocks) // row_chunk * row_chunk)
 
 
 class NosaDecodeState:
@@ -162,8 +169,12 @@ class NosaDecodeState:
         ``nosa_prefill`` on the whole context row for row.
 
         The state catches up first (its compressed and static keys then cover the rows), each row is
-        selected from them, and each chunk of ``row_chunk`` rows gathers the union of its rows'
-        blocks (``kv.gather_blocks``), never the whole context: the offloading server's prefill.
+        selected from them (``select_rows``, nosa_prefill's own loop), and each group of
+        ``union_rows`` rows gathers the union of its rows' blocks (``kv.gather_blocks``), never the
+        whole context at once: the offloading server's prefill. Groups are one ``attend_pairs``
+        plan wide: narrower ones (one row chunk of 64 rows) cut every block's pairs into partial
+        tiles and re-read the blocks the rows share once per group (measured: a 16K-token
+        offloaded prefill took 2.1x the in-pool one with 64-row groups).
         """
         cfg = self.cfg
         self.append(kv, seq)
@@ -172,22 +183,17 @@ class NosaDecodeState:
         if row_chunk is None:
             row_chunk = default_row_chunk(cfg)
         positions = torch.arange(first, length, device=q.device)
-        with torch.no_grad():
-            ck = self.compressed_keys.transpose(0, 1)  # [C, Hkv, D]
-            static = self.static_keys[None, :, :num_blocks]
-            sel = torch.cat([
-                select_blocks(query_block_scores(q[a : a + row_chunk].detach(), ck, positions[a : a + row_chunk],
-                                                 num_blocks, cfg, scale), static, positions[a : a + row_chunk], cfg)
-                for a in range(0, n, row_chunk)])
+        sel = select_rows(q, self.compressed_keys.transpose(0, 1), self.static_keys[None, :, :num_blocks], length,
+                          cfg, scale, row_chunk)
         outs = []
         dense_rows = min(n, max(0, cfg.dense_len - first))
         if dense_rows:  # contexts within dense_len: every block, no eviction weighting
             context = first + dense_rows
             k, v, _ = kv.gather_blocks(seq, torch.arange(cfg.num_blocks(context), device=q.device), cfg.block_size)
             outs.append(dense_attention(q[:dense_rows], k[:context], v[:context], scale))
-        start = dense_rows
+        start, group = dense_rows, union_rows(cfg, self.num_kv_heads, row_chunk)
         while start < n:
-            stop = min(n, chunk_end(first + start, row_chunk) - first)
+            stop = min(n, chunk_end(first + start, group) - first)
             rows_sel = sel[start:stop]
             union = torch.unique(rows_sel[rows_sel >= 0])  # ascending block ids, every KV head
             k, v, cis = kv.gather_blocks(seq, union, cfg.block_size)
@@ -196,7 +202,7 @@ class NosaDecodeState:
             sel_c = torch.where(rows_sel >= 0, compact[rows_sel.clamp(min=0)], -1)
             pos = positions[start:stop]
             pos_c = compact[pos // cfg.block_size] * cfg.block_size + pos % cfg.block_size
-            outs.append(attend_selected(q[start:stop], k, v, cis, sel_c, pos_c, cfg, scale))
+            outs.append(attend_selected(q[start:stop], k, v, cis, sel_c, pos_c, cfg, scale, row_chunk=row_chunk))
             start = stop
         return torch.cat(outs), sel
 

@@ -102,11 +102,18 @@ def test_paged_view_equals_contiguous_view():
     torch.testing.assert_close(a.cis[a.rows][a.valid], b.cis[b.rows][b.valid], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("plan_pairs", [1 << 19, 64 * 2 * 8], ids=["one-union", "unions-of-64-rows"])
 @pytest.mark.parametrize("dense_len", [0, 100])
-def test_prefill_through_a_view_equals_nosa_prefill(dense_len):
+def test_prefill_through_a_view_equals_nosa_prefill(dense_len, plan_pairs, monkeypatch):
     """Chunked prefill that reads its context only through a KV view (the offloading server's
-    extend): selections equal nosa_prefill's and outputs match, chunk by chunk."""
+    extend): selections equal nosa_prefill's and outputs match, chunk by chunk, whether a chunk's
+    rows gather one union of blocks or several (``union_rows``: here 64-row groups, aligned to
+    absolute positions, so the chunks of 70 and 130 rows straddle groups)."""
+    import nosa.decode
+
+    monkeypatch.setattr(nosa.decode, "PLAN_PAIRS", plan_pairs)
     cfg = NosaConfig.tiny(dense_len=dense_len)
+    assert nosa.decode.union_rows(cfg, 2, 64) == (64 if plan_pairs < 1 << 19 else (1 << 19) // 16)
     length = 330
     q, k, v, cis = _seq(length, seed=7)
     want_out, want_sel = nosa_prefill(q, k, v, cis, cfg, 0.35)

@@ -69,27 +69,37 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cis: to
 def prefill_selection(q: torch.Tensor, k: torch.Tensor, cis: torch.Tensor, cfg: NosaConfig, scale: float,
                       row_chunk: int | None = None) -> torch.Tensor:
     """The selection (nosa.select) of each of the last n tokens of a context: q [n, Hq, D], k [L, Hkv,
-    D], cis [L, Hkv] -> [n, Hkv, K] long, -1 padded. No gradient.
+    D], cis [L, Hkv] -> [n, Hkv, K] long, -1 padded. No gradient. ``select_rows`` on the context's
+    compressed keys and static eviction keys."""
+    with torch.no_grad():
+        compressed_k = compress_windows(k.detach(), cfg)  # [C, Hkv, D]
+        evict = block_eviction_scores(cis, cfg, cfg.num_blocks(k.shape[0]))[None]  # [1, Hkv, NB, 2]
+    return select_rows(q, compressed_k, evict, k.shape[0], cfg, scale, row_chunk)
+
+
+@torch.no_grad()
+def select_rows(q: torch.Tensor, compressed_k: torch.Tensor, evict: torch.Tensor, length: int, cfg: NosaConfig,
+                scale: float, row_chunk: int | None = None) -> torch.Tensor:
+    """The selection of each of the last n tokens of a ``length``-token context from its keys as a
+    selection state holds them: q [n, Hq, D]; compressed_k [C, Hkv, D] (at least the windows the
+    last row sees); evict [1, Hkv, NB, 2] the static keys of the context's NB blocks -> [n, Hkv, K].
+    The one row loop of ``nosa_prefill`` and ``NosaDecodeState.prefill`` (an offloading server).
 
     Rows go in chunks that each score only the windows their last row can see (the others would be
     masked to probability 0), so the query-aware scores cost about half of rows x windows; a chunk
     holds about SELECT_ELEMENTS logits and at least ``row_chunk`` rows."""
     n, hq, _ = q.shape
-    length = k.shape[0]
     first, num_blocks = length - n, cfg.num_blocks(length)
     if row_chunk is None:
         row_chunk = gathered.default_row_chunk(cfg)
-    sels = [torch.empty(0, k.shape[1], cfg.topk_blocks, dtype=torch.long, device=q.device)]
-    with torch.no_grad():
-        compressed_k = compress_windows(k.detach(), cfg)  # [C, Hkv, D]
-        evict = block_eviction_scores(cis, cfg, num_blocks)[None]  # [1, Hkv, NB, 2]
-        step = max(row_chunk, SELECT_ELEMENTS // max(1, hq * compressed_k.shape[0]))
-        for start in range(0, n, step):
-            stop = min(start + step, n)
-            positions = torch.arange(first + start, first + stop, device=q.device)
-            visible = compressed_k[: cfg.num_compressed(first + stop)]
-            scores = query_block_scores(q[start:stop].detach(), visible, positions, num_blocks, cfg, scale)
-            sels.append(select_blocks(scores, evict, positions, cfg))
+    sels = [torch.empty(0, compressed_k.shape[1], cfg.topk_blocks, dtype=torch.long, device=q.device)]
+    step = max(row_chunk, SELECT_ELEMENTS // max(1, hq * compressed_k.shape[0]))
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        positions = torch.arange(first + start, first + stop, device=q.device)
+        visible = compressed_k[: cfg.num_compressed(first + stop)]
+        scores = query_block_scores(q[start:stop].detach(), visible, positions, num_blocks, cfg, scale)
+        sels.append(select_blocks(scores, evict, positions, cfg))
     return torch.cat(sels)
 
 
