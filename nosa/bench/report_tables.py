@@ -430,6 +430,17 @@ def serve_prefill(root: Path) -> str:
     return table(["context", "torch_native prefill s (4 requests)", "nosa prefill s", "nosa / torch_native"], rows)
 
 
+@renders("results/serve_prefill_offload.json")
+def serve_prefill_offload(root: Path) -> str:
+    data = load(root, "results/serve_prefill_offload.json")
+    off = {r["context"]: r for r in data["results"] if r["backend"] == "nosa"}  # offloading off: the reference
+    rows = [[f"{r['context'] // 1024}K", data["variants"][r["backend"]], r["prefill_s"], r["prefill_cpu_s"],
+             times(r["prefill_cpu_s"] / off[r["context"]]["prefill_cpu_s"]), r["ms_per_decode_step"]]
+            for r in data["results"]]
+    return (table(["context", "variant (4 requests)", "prefill s", "prefill CPU s", "CPU s over offloading off",
+                   "ms / decode step"], rows) + f"\n\n{data['model']}, one server after another.")
+
+
 @renders("results/serve_graphs.json")
 def serve_graphs(root: Path) -> str:
     data = load(root, "results/serve_graphs.json")
