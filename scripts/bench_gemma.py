@@ -42,6 +42,7 @@ from nosa.checkpoint_format import nosa_layers
 from nosa.config import NosaConfig
 
 BLOCK = 64
+MARGIN = 8  # tokens of the context the request leaves free
 
 
 def nosa_config(context: int, share: float) -> NosaConfig:
@@ -53,8 +54,10 @@ def nosa_config(context: int, share: float) -> NosaConfig:
 
 
 def prompt(context: int, new_tokens: int, vocab: int, bos: int) -> list[int]:
+    """<bos> and random ids: with its new tokens, MARGIN tokens short of ``context`` (SGLang cuts a
+    request's new tokens where prompt + new tokens reach the context length)."""
     g = torch.Generator().manual_seed(0)
-    return [bos] + torch.randint(1000, vocab, (context - new_tokens - 1,), generator=g).tolist()
+    return [bos] + torch.randint(1000, vocab, (context - new_tokens - MARGIN - 1,), generator=g).tolist()
 
 
 def logged(log: str, pattern: str) -> re.Match:
@@ -84,7 +87,10 @@ def main(argv=None) -> int:
     itemsize = 4  # --dtype float32 (the CPU engine)
     cfg = nosa_config(context, args.share)
     ids = prompt(context, args.new_tokens, hf["vocab_size"], hf["bos_token_id"])
-    limit = str(context)  # the prompt and its new tokens fill it exactly (Gemma 3: at most 32768)
+    limit = str(context)  # the prompt and its new tokens fill it but MARGIN (Gemma 3: at most 32768)
+    # SGLang's admission reserves a page beyond a request's tokens: a pool of exactly the context
+    # never admits the request (its scheduler retries forever, no error), so the pool gets a margin
+    pool = str(context + 256)
     report = {"model": args.model, "context": context, "new_tokens": args.new_tokens, "dtype": "float32",
               "layers": layers, "full_layers": full, "sliding_window": window, "nosa_config": cfg.to_dict()}
     work = tempfile.mkdtemp(prefix="bench_gemma_")
@@ -92,7 +98,7 @@ def main(argv=None) -> int:
     # ---- torch_native: the whole context of every layer in SGLang's pool --------------------------
     log = os.path.join(work, "native.log")
     server = start_server(args.model, ["--attention-backend", "torch_native", "--context-length", limit,
-                                       "--max-total-tokens", limit, "--disable-radix-cache",
+                                       "--max-total-tokens", pool, "--disable-radix-cache",
                                        "--chunked-prefill-size", "4096"], log, threads=args.threads)
     try:
         native = measure(server, [ids], args.new_tokens)
@@ -112,7 +118,7 @@ def main(argv=None) -> int:
     # ---- nosa, offloading off: the same pool as torch_native, NOSA's selection on the full layers ----
     log = os.path.join(work, "nosa_off.log")
     server = start_server(args.model, ["--attention-backend", "nosa", "--context-length", limit,
-                                       "--max-total-tokens", limit, "--page-size", str(BLOCK),
+                                       "--max-total-tokens", pool, "--page-size", str(BLOCK),
                                        "--disable-radix-cache", "--chunked-prefill-size", "4096"], log,
                           env={"NOSA_CONFIG": cfg.to_json()}, threads=args.threads)
     try:
