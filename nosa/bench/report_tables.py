@@ -54,7 +54,7 @@ def share_text(s: dict) -> str:
 # ---- the headline (README and the results page) -------------------------------------------------
 @renders("results/accuracy.json", "results/longctx.json", "results/ruler.json", "results/ruler_ft.json",
          "results/serve_ask_smollm2.json", "results/offload.json", "results/serve_smollm2_8k_rank_short.json",
-         "results/serve.json")
+         "results/serve.json", "results/gemma3_serve.json")
 def headline(root: Path) -> str:
     acc = {(r["variant"], r["length"]): r for r in load(root, "results/accuracy.json")["results"]}
     tiny = [acc[(v, 512)] for v in ("dense", "training_free", "nosa_finetuned")]
@@ -78,6 +78,7 @@ def headline(root: Path) -> str:
     cap = load(root, "results/offload.json")["capacity"]
     onoff = paired_speed(load(root, "results/serve_smollm2_8k_rank_short.json"), "offload_sched_over_nosa")
     serve = load(root, "results/serve.json")["decode_speedup_nosa_over_torch_native"]
+    gemma = load(root, "results/gemma3_serve.json")
     rows = [
         ["tiny model (quickstart), 512 tokens, 1/4 of the blocks: held-out answers right, dense / A = 0 / NOSA",
          " / ".join(pct(r["acc"]["mean"]) for r in tiny), "`results/accuracy.json`"],
@@ -110,6 +111,13 @@ def headline(root: Path) -> str:
          f"{onoff['median']:.2f} (CPU time {onoff['median_cpu']:.2f})", "`results/serve_smollm2_8k_rank_short.json`"],
         ["decode step, nosa over torch_native (tiny random Llama, batch 4): speed-up at 32K / 64K tokens",
          f"{times(serve['32768'])} / {times(serve['65536'])}", "`results/serve.json`"],
+        [f"Gemma 3 270M (Q4_K_M dequantized, hybrid) served at {gemma['context'] // 1024}K, A = 0 at 1/4 of the "
+         "full layers' blocks: device KV MB per request torch_native / nosa with offloading; requests in "
+         "torch_native's bytes for one; decode speed over torch_native",
+         f"{gemma['torch_native']['device_kv_bytes_per_request'] / 1e6:.0f} / "
+         f"{gemma['nosa_offload']['device_kv_bytes_per_request'] / 1e6:.1f}; "
+         f"{gemma['capacity']['nosa_offload_requests']}; {times(gemma['decode_speed_nosa_over_native'])}",
+         "`results/gemma3_serve.json`"],
     ]
     return table(["what", "measured", "data"], rows)
 
