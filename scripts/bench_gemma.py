@@ -1,8 +1,8 @@
 """Gemma 3 270M served at long context: SGLang's torch_native, nosa with offloading off (every layer's
 KV in SGLang's pool) and nosa with offloading and the recall scheduler, side by side in one run.
 
-    python scripts/bench_gemma.py --quick                  # 8K, about 3 minutes on 2 cores
-    python scripts/bench_gemma.py --context 32768          # -> results/gemma3_serve.json
+    python scripts/bench_gemma.py --quick                  # 8K, about 6 minutes on 2 cores
+    python scripts/bench_gemma.py --context 16384          # -> results/gemma3_serve.json (32K: about an hour here)
 
 Each server gets one request of ``--context`` tokens (<bos>, then random ids) and streams
 ``--new-tokens`` greedy tokens (bench_serve's measurement: prefill seconds until the first token,
