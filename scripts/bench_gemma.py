@@ -95,16 +95,21 @@ def main(argv=None) -> int:
               "layers": layers, "full_layers": full, "sliding_window": window, "nosa_config": cfg.to_dict()}
     work = tempfile.mkdtemp(prefix="bench_gemma_")
 
+    def served(name: str, flags: list[str], env: dict | None = None) -> tuple[dict, str]:
+        """One server with ``flags`` (and the flags every server here shares) given the request:
+        (bench_serve's measurement, the server's log)."""
+        log = os.path.join(work, f"{name}.log")
+        server = start_server(args.model, [*flags, "--context-length", limit, "--disable-radix-cache",
+                                           "--chunked-prefill-size", "4096"], log, env=env, threads=args.threads)
+        try:
+            measured = measure(server, [ids], args.new_tokens)
+        finally:
+            server.stop()
+        with open(log, errors="replace") as f:
+            return measured, f.read()
+
     # ---- torch_native: the whole context of every layer in SGLang's pool --------------------------
-    log = os.path.join(work, "native.log")
-    server = start_server(args.model, ["--attention-backend", "torch_native", "--context-length", limit,
-                                       "--max-total-tokens", pool, "--disable-radix-cache",
-                                       "--chunked-prefill-size", "4096"], log, threads=args.threads)
-    try:
-        native = measure(server, [ids], args.new_tokens)
-    finally:
-        server.stop()
-    text = open(log, errors="replace").read()
+    native, text = served("native", ["--attention-backend", "torch_native", "--max-total-tokens", pool])
     found = logged(text, r"KV Cache is allocated\. dtype: \S+, #tokens: (\d+), "
                          r"K size: ([\d.]+) GB, V size: ([\d.]+) GB")
     per_token = layers * hkv * 2 * dim * itemsize
@@ -116,31 +121,17 @@ def main(argv=None) -> int:
     print(json.dumps({"torch_native": native}), flush=True)
 
     # ---- nosa, offloading off: the same pool as torch_native, NOSA's selection on the full layers ----
-    log = os.path.join(work, "nosa_off.log")
-    server = start_server(args.model, ["--attention-backend", "nosa", "--context-length", limit,
-                                       "--max-total-tokens", pool, "--page-size", str(BLOCK),
-                                       "--disable-radix-cache", "--chunked-prefill-size", "4096"], log,
-                          env={"NOSA_CONFIG": cfg.to_json()}, threads=args.threads)
-    try:
-        report["nosa_off"] = measure(server, [ids], args.new_tokens)
-    finally:
-        server.stop()
+    report["nosa_off"], _ = served("nosa_off", ["--attention-backend", "nosa", "--max-total-tokens", pool,
+                                               "--page-size", str(BLOCK)], env={"NOSA_CONFIG": cfg.to_json()})
     report["nosa_off"]["device_kv_bytes_per_request"] = per_token * context
     print(json.dumps({"nosa_off": report["nosa_off"]}), flush=True)
 
     # ---- nosa: the full layers offloaded, the sliding layers' windows on the device -------------
-    log, stats = os.path.join(work, "nosa.log"), os.path.join(work, "stats.json")
+    stats = os.path.join(work, "stats.json")
     device_tokens = cfg.topk_blocks * BLOCK  # one request's block slots
     env = {**offload_env(context + 4096, device_tokens, stats), "NOSA_CONFIG": cfg.to_json(),
            "NOSA_RECALL_SCHEDULER": "1"}
-    server = start_server(args.model, ["--attention-backend", "nosa", "--context-length", limit,
-                                       "--page-size", str(BLOCK), "--disable-radix-cache",
-                                       "--chunked-prefill-size", "4096"], log, env=env, threads=args.threads)
-    try:
-        offloaded = measure(server, [ids], args.new_tokens)
-    finally:
-        server.stop()
-    text = open(log, errors="replace").read()
+    offloaded, text = served("nosa", ["--attention-backend", "nosa", "--page-size", str(BLOCK)], env=env)
     states = logged(text, r"decode states of (\d+) request rows, contexts up to \d+ tokens: ([\d.]+) MiB")
     rings = logged(text, r"(\d+) sliding-window layers \(window \d+\) on the device: "
                          r"([\d.]+) MiB for (\d+) request rows")

@@ -111,8 +111,9 @@ def headline(root: Path) -> str:
          f"{onoff['median']:.2f} (CPU time {onoff['median_cpu']:.2f})", "`results/serve_smollm2_8k_rank_short.json`"],
         ["decode step, nosa over torch_native (tiny random Llama, batch 4): speed-up at 32K / 64K tokens",
          f"{times(serve['32768'])} / {times(serve['65536'])}", "`results/serve.json`"],
-        [f"Gemma 3 270M (Q4_K_M dequantized, hybrid) served at {gemma['context'] // 1024}K, A = 0 at 1/4 of the "
-         "full layers' blocks: device KV MB per request torch_native / nosa with offloading; requests in "
+        [f"Gemma 3 270M (Q4_K_M dequantized, hybrid) served at {gemma['context'] // 1024}K, A = 0 at "
+         f"1/{round(gemma['context'] / (gemma['nosa_config']['topk_blocks'] * gemma['nosa_config']['block_size']))} "
+         "of the full layers' blocks: device KV MB per request torch_native / nosa with offloading; requests in "
          "torch_native's bytes for one; decode speed over torch_native",
          f"{gemma['torch_native']['device_kv_bytes_per_request'] / 1e6:.0f} / "
          f"{gemma['nosa_offload']['device_kv_bytes_per_request'] / 1e6:.1f}; "
