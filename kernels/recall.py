@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from nosa import env
+from nosa.kvquant import dequantize
 
 # (dtype, bytes), widest first: item rows are read in the widest element dividing their bytes
 _WIDE = tuple((wide, wide.itemsize) for wide in (torch.int64, torch.int32, torch.int16, torch.uint8))
@@ -223,3 +224,116 @@ def kernels() -> dict:
             tl.store(D2 + d * W2 + offs, x, mask=ok & (offs < W2))
 
     return {"copy": copy_kernel}
+
+
+# ---- recall from a quantized host pool (NOSA_HOST_KV_DTYPE; the format is nosa.kvquant) ------------
+# A source may be a nosa.kvquant.QuantizedItems (data [N, B, D] int8 / fp8, scale [N, B] float32):
+# its items are dequantized into the destination's dtype on the way, float32(q) * scale rounded once,
+# exactly nosa.kvquant.dequantize. Other pairs (cis) are copied as they are, in the same launch.
+PLAIN, INT8, FP8 = 0, 1, 2  # the kind of a pair
+
+
+def _kind(src) -> int:
+    scale = getattr(src, "scale", None)
+    if scale is None:
+        return PLAIN
+    return INT8 if src.data.dtype == torch.int8 else FP8
+
+
+def check_dequant(dst, src, dst_idx, src_idx) -> None:
+    """The checks of ``_check`` for pairs whose source may be quantized: dst [N, *item] in the
+    dtype the source dequantizes to, data [N, *item] int8 / float8_e4m3fn, scale [N, *item[:-1]]."""
+    if len(dst) != len(src) or not dst:
+        raise ValueError(f"copy_items: need as many dst as src tensors (>= 1), got {len(dst)} and {len(src)}")
+    check_indices(dst_idx, src_idx)
+    for i, (d, s) in enumerate(zip(dst, src)):
+        if _kind(s) == PLAIN:
+            _check([d], [s], dst_idx, src_idx)
+            continue
+        if s.data.dtype not in (torch.int8, torch.float8_e4m3fn):
+            raise ValueError(f"copy_items: pair {i}: quantized data must be int8 or float8_e4m3fn, got {s.data.dtype}")
+        if d.dtype != s.dtype:
+            raise ValueError(f"copy_items: pair {i}: dst dtype {d.dtype} != the dtype the source dequantizes to "
+                             f"({s.dtype})")
+        if d.shape[1:] != s.data.shape[1:] or s.scale.shape != s.data.shape[:-1]:
+            raise ValueError(f"copy_items: pair {i}: item shapes differ: dst {tuple(d.shape[1:])}, quantized "
+                             f"{tuple(s.data.shape[1:])} with scales {tuple(s.scale.shape[1:])}")
+        if s.scale.dtype != torch.float32:
+            raise ValueError(f"copy_items: pair {i}: scales must be float32, got {s.scale.dtype}")
+        for name, t in (("dst", d), ("src data", s.data), ("src scale", s.scale)):
+            if not t.is_contiguous():
+                raise ValueError(f"copy_items: pair {i}: {name} must be contiguous, strides {t.stride()}")
+
+
+def copy_items_dequant_reference(dst, src, dst_idx, src_idx) -> None:
+    """The spec of a recall from a quantized pool, on any devices: gather, dequantize, scatter."""
+    check_dequant(dst, src, dst_idx, src_idx)
+    keep = src_idx >= 0
+    if not any(t.is_cuda for t in (*dst, dst_idx, src_idx)):
+        check_bounds(dst, [getattr(s, "data", s) for s in src], dst_idx, src_idx)
+    dst_idx, src_idx = dst_idx[keep], src_idx[keep]
+    for d, s in zip(dst, src):
+        where = src_idx.to(s.device)
+        if _kind(s) == PLAIN:
+            rows = s.index_select(0, where)
+        else:
+            rows = dequantize(s.data.index_select(0, where), s.scale.index_select(0, where), d.dtype)
+        d.index_copy_(0, dst_idx.to(d.device), rows.to(d.device))
+
+
+DEQUANT_CHUNK = 1024  # elements per program and pair
+
+
+def copy_items_dequant_plan(dst, src, dst_idx, src_idx):
+    """(grid, positional args, constexprs) of one launch of up to MAX_PAIRS pairs, any of them
+    quantized (shared with the ahead-of-time compile test)."""
+    args, consts, widths = [dst_idx, src_idx], {"NPAIRS": len(dst)}, []
+    for i in range(MAX_PAIRS):
+        d, s = (dst[i], src[i]) if i < len(dst) else (dst[0], src[0])
+        kind = _kind(s)
+        if kind == PLAIN:
+            data, scale, row = s, s, 1  # the scale pointer is never read
+        else:
+            # fp8 bytes are decoded in the kernel from their bits (uint8): no fp8 type needed
+            data = s.data.view(torch.uint8) if kind == FP8 else s.data
+            scale, row = s.scale, s.data.shape[-1]
+        width = d[0].numel() if i < len(dst) else 0
+        bf16 = kind != PLAIN and d.dtype == torch.bfloat16  # stored as rounded bits (int16)
+        args += [d.view(torch.int16) if bf16 else d, data, scale]
+        consts.update({f"K{i}": kind, f"W{i}": width, f"R{i}": row, f"B{i}": int(bf16)})
+        widths.append(width)
+    consts["CHUNK"] = DEQUANT_CHUNK
+    grid = (dst_idx.numel(), max(1, -(-max(widths) // DEQUANT_CHUNK)))
+    return grid, args, consts
+
+
+def copy_items_dequant_triton(dst, src, dst_idx, src_idx) -> None:
+    """The recall of a quantized pool in one launch per MAX_PAIRS pairs (CUDA: the host pool's data
+    and scales pinned; or CPU tensors under TRITON_INTERPRET=1)."""
+    check_dequant(dst, src, dst_idx, src_idx)
+    cuda = next((t.device for t in dst if t.is_cuda), None) or next((s.device for s in src if s.is_cuda), None)
+    if cuda is not None:
+        for i, (d, s) in enumerate(zip(dst, src)):
+            for name, t in (("dst", d), ("src", s)):
+                if not t.is_cuda and not t.is_pinned():
+                    raise ValueError(f"copy_items: pair {i}: {name} is pageable host memory; the kernel reads "
+                                     "host memory through UVA, which needs pinned (or cudaHostRegister-ed) memory")
+        dst_idx, src_idx = dst_idx.to(cuda, non_blocking=True), src_idx.to(cuda, non_blocking=True)
+    dst_idx, src_idx = dst_idx.contiguous(), src_idx.contiguous()
+    if src_idx.numel() == 0:
+        return
+    if debug_checks():
+        check_bounds(dst, [getattr(s, "data", s) for s in src], dst_idx, src_idx)
+    for lo in range(0, len(dst), MAX_PAIRS):
+        grid, args, consts = copy_items_dequant_plan(dst[lo : lo + MAX_PAIRS], src[lo : lo + MAX_PAIRS], dst_idx,
+                                                     src_idx)
+        dequant_kernels()["copy_dequant"][grid](*args, **consts, num_warps=4)
+
+
+@functools.cache
+def dequant_kernels() -> dict:
+    """{"copy_dequant"}: the @triton.jit kernel (nosa.kernels.recall_dequant_jit, which imports triton:
+    loaded on first use)."""
+    from nosa.kernels.recall_dequant_jit import copy_dequant_kernel  # optional: triton (the module imports it)
+
+    return {"copy_dequant": copy_dequant_kernel}

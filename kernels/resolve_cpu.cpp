@@ -18,6 +18,7 @@
 // group), then written in row order, as the torch code's index_select / index_copy_ do.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -77,9 +78,72 @@ inline void write_checked(int64_t R, int64_t H, int64_t W, int64_t B, const int6
     }
 }
 
+// float8_e4m3fn byte -> float32 (exact), as a table of the 256 codes (NaN codes never written).
+struct Fp8Table {
+    float value[256];
+    Fp8Table() {
+        for (int b = 0; b < 256; ++b) {
+            const int exp = (b >> 3) & 15, man = b & 7;
+            const float v = exp == 0 ? man / 512.0f : std::ldexp(1.0f + man / 8.0f, exp - 7);
+            value[b] = (b & 128) ? -v : v;
+        }
+    }
+};
+
+// float32 -> bfloat16 bits, nearest, ties to even (torch's rounding; inputs are finite)
+inline uint16_t bf16_bits(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 }  // namespace
 
 extern "C" {
+
+// copy_items from a quantized host pool (nosa.kvquant): for buffer b, kind[b] 0 copies item_bytes[b]
+// bytes as nosa_copy_items does; 1 (int8) and 2 (float8_e4m3fn) dequantize the item's elems[b]
+// one-byte values, row[b] per scale (scale[b]: float32 per row), into float32 (out_bf16[b] 0) or
+// bfloat16 (1): float(q) * scale, rounded once, exactly nosa.kvquant.dequantize. Returns -1, copying
+// nothing, if an index (src_idx >= 0) is outside [0, dst_items) / [0, src_items); else 0.
+int64_t nosa_copy_items_dequant(int64_t nbufs, char* const* dst, char* const* src, char* const* scale,
+                                const int64_t* kind, const int64_t* out_bf16, const int64_t* item_bytes,
+                                const int64_t* elems, const int64_t* row, int64_t M, const int64_t* dst_idx,
+                                const int64_t* src_idx, int64_t dst_items, int64_t src_items) {
+    static const Fp8Table fp8;
+    if (!items_in_range(M, dst_idx, src_idx, dst_items, src_items)) return -1;
+    for (int64_t b = 0; b < nbufs; ++b) {
+        for (int64_t m = 0; m < M; ++m) {
+            if (src_idx[m] < 0) continue;
+            if (kind[b] == 0) {
+                std::memcpy(dst[b] + dst_idx[m] * item_bytes[b], src[b] + src_idx[m] * item_bytes[b], item_bytes[b]);
+                continue;
+            }
+            const int64_t n = elems[b], per = row[b];
+            const int8_t* q = reinterpret_cast<const int8_t*>(src[b]) + src_idx[m] * n;
+            const uint8_t* qb = reinterpret_cast<const uint8_t*>(q);
+            const float* sc = reinterpret_cast<const float*>(scale[b]) + src_idx[m] * (n / per);
+            for (int64_t r = 0; r < n / per; ++r) {
+                const float s = sc[r];
+                const int64_t lo = r * per;
+                if (out_bf16[b]) {
+                    uint16_t* out = reinterpret_cast<uint16_t*>(dst[b]) + dst_idx[m] * n + lo;
+                    if (kind[b] == 1)
+                        for (int64_t e = 0; e < per; ++e) out[e] = bf16_bits(static_cast<float>(q[lo + e]) * s);
+                    else
+                        for (int64_t e = 0; e < per; ++e) out[e] = bf16_bits(fp8.value[qb[lo + e]] * s);
+                } else {
+                    float* out = reinterpret_cast<float*>(dst[b]) + dst_idx[m] * n + lo;
+                    if (kind[b] == 1)
+                        for (int64_t e = 0; e < per; ++e) out[e] = static_cast<float>(q[lo + e]) * s;
+                    else
+                        for (int64_t e = 0; e < per; ++e) out[e] = fp8.value[qb[lo + e]] * s;
+                }
+            }
+        }
+    }
+    return 0;
+}
 
 // Item src_idx[m] -> dst_idx[m] of every buffer pair where src_idx[m] >= 0 (nosa.ops.copy_items on
 // CPU: the recall, the scheduler's demand and prefetch copies, a prefill's block gather). Returns -1,

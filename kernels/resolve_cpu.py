@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from nosa import env
-from nosa.kernels.recall import check_indices
+from nosa.kernels.recall import check_dequant, check_indices
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("resolve_cpu.cpp")
@@ -101,6 +101,9 @@ def library():
                     + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
                 lib.nosa_copy_items.restype = ctypes.c_int64
                 lib.nosa_copy_items.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] \
+                    + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+                lib.nosa_copy_items_dequant.restype = ctypes.c_int64
+                lib.nosa_copy_items_dequant.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] \
                     + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
                 _STATE["lib"] = lib
             except (OSError, RuntimeError) as exc:
@@ -240,6 +243,39 @@ def copy_items(dst: list[torch.Tensor], src: list[torch.Tensor], dst_idx: torch.
     if done < 0:
         raise ValueError(f"copy_items: an index (src_idx >= 0) falls outside the {dst[0].shape[0]} dst or "
                          f"{src[0].shape[0]} src items; nothing was copied")
+
+
+DEQUANT_OUT = (torch.bfloat16, torch.float32)  # the device dtypes the C++ dequantizing copy writes
+
+
+def copy_items_dequant(dst: list[torch.Tensor], src: list, dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
+    """nosa.ops.copy_items for CPU tensors with some sources nosa.kvquant.QuantizedItems (checked as
+    nosa.kernels.recall.check_dequant does): one pass per item, dequantized into bf16 / float32
+    destinations exactly as nosa.kvquant.dequantize."""
+    check_dequant(dst, src, dst_idx, src_idx)
+    kinds, out_bf16, item_bytes, elems, rows, datas, scales = [], [], [], [], [], [], []
+    for d, s in zip(dst, src):
+        scale = getattr(s, "scale", None)
+        data = s if scale is None else s.data
+        if scale is not None and d.dtype not in DEQUANT_OUT:
+            raise ValueError(f"copy_items_dequant: the CPU kernel writes {DEQUANT_OUT}, not {d.dtype}")
+        kinds.append(0 if scale is None else (1 if data.dtype == torch.int8 else 2))
+        out_bf16.append(int(d.dtype == torch.bfloat16))
+        item_bytes.append(d[0].numel() * d.element_size())
+        elems.append(d[0].numel())
+        rows.append(1 if scale is None else data.shape[-1])
+        datas.append(data)
+        scales.append(data if scale is None else scale)
+    dst_idx, src_idx = _dense(dst_idx), _dense(src_idx)
+    ints = torch.tensor([kinds, out_bf16, item_bytes, elems, rows], dtype=torch.long)
+    done = library().nosa_copy_items_dequant(len(dst), _pointers(dst), _pointers(datas), _pointers(scales),
+                                             ints[0].data_ptr(), ints[1].data_ptr(), ints[2].data_ptr(),
+                                             ints[3].data_ptr(), ints[4].data_ptr(), dst_idx.numel(),
+                                             dst_idx.data_ptr(), src_idx.data_ptr(), dst[0].shape[0],
+                                             datas[0].shape[0])
+    if done < 0:
+        raise ValueError(f"copy_items: an index (src_idx >= 0) falls outside the {dst[0].shape[0]} dst or "
+                         f"{datas[0].shape[0]} src items; nothing was copied")
 
 
 def write_tokens(wanted: torch.Tensor, lengths: torch.Tensor, item: torch.Tensor, dev: list[torch.Tensor],

@@ -22,6 +22,7 @@ import torch
 from nosa import env, select
 from nosa.kernels import block_scores, flashinfer_decode, recall, resolve_cpu, sparse_decode, sparse_prefill
 from nosa.kernels import slot_decode as slot_kernel
+from nosa.kvquant import QuantizedItems
 
 
 def backend(*tensors: torch.Tensor) -> str:
@@ -54,6 +55,9 @@ def copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx
     src or dst may be pinned host memory. CPU: index_select / index_copy_ through preallocated,
     cache-resident staging (nosa.kernels.recall.ItemCopier, one kept per item layout and thread).
     On CUDA, host tensors must be pinned; index lists may be on the host (they are moved).
+    A source may be a nosa.kvquant.QuantizedItems (a quantized host pool, NOSA_HOST_KV_DTYPE): its
+    items are dequantized into the destination's dtype on the way, in the same launch on CUDA
+    (nosa.kernels.recall.copy_items_dequant_triton), by the C++ loop on CPU.
 
     One operator, ``torch.ops.nosa.copy_items`` (it mutates ``dst``), so that torch.compile keeps
     it whole inside a compiled decode step (fixed shapes outside; on CPU the -1 entries are left
@@ -61,10 +65,29 @@ def copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx
     included) skip the operator's dispatch and run the same implementation directly: the
     dispatcher cost about 90 us per call on CPU, more than a warm step's whole recall. Indices are
     trusted (no host reads): set NOSA_DEBUG_CHECKS=1 to check their bounds on every call."""
-    if torch.compiler.is_compiling():
+    if any(isinstance(t, QuantizedItems) for t in src):  # a quantized host pool: dequantize on the way
+        if torch.compiler.is_compiling():
+            torch.ops.nosa.copy_items_dequant(list(dst), [getattr(t, "data", t) for t in src],
+                                              [getattr(t, "scale", _NO_SCALE) for t in src], dst_idx, src_idx)
+        else:
+            _copy_items_dequant(dst, src, dst_idx, src_idx)
+    elif torch.compiler.is_compiling():
         torch.ops.nosa.copy_items(list(dst), list(src), dst_idx, src_idx)
     else:
         _copy_items(dst, src, dst_idx, src_idx)
+
+
+def _copy_items_dequant(dst, src, dst_idx, src_idx) -> None:
+    """``copy_items`` with some sources nosa.kvquant.QuantizedItems: the Triton kernel on CUDA, the
+    C++ loop of nosa.kernels.resolve_cpu on CPU (bf16 / float32 destinations), else the reference
+    (gather, dequantize, scatter)."""
+    tensors = (*dst, *(getattr(t, "data", t) for t in src))
+    if backend(*tensors) == "triton":
+        recall.copy_items_dequant_triton(dst, src, dst_idx, src_idx)
+    elif resolve_cpu.wanted_here(*tensors, dst_idx, src_idx) and all(d.dtype in resolve_cpu.DEQUANT_OUT for d in dst):
+        resolve_cpu.copy_items_dequant(list(dst), list(src), dst_idx, src_idx)  # the C++ loop
+    else:
+        recall.copy_items_dequant_reference(dst, src, dst_idx, src_idx)
 
 
 def _copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx: torch.Tensor,
@@ -97,6 +120,21 @@ def _copy_items_op(dst: list[torch.Tensor], src: list[torch.Tensor], dst_idx: to
 
 @_copy_items_op.register_fake
 def _(dst, src, dst_idx, src_idx) -> None:
+    return None
+
+
+_NO_SCALE = torch.empty(0)  # the operator's scale of a pair copied as it is
+
+
+@torch.library.custom_op("nosa::copy_items_dequant", mutates_args=("dst",))
+def _copy_items_dequant_op(dst: list[torch.Tensor], data: list[torch.Tensor], scale: list[torch.Tensor],
+                           dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
+    src = [t if c.numel() == 0 else QuantizedItems(t, c, d.dtype) for d, t, c in zip(dst, data, scale)]
+    _copy_items_dequant(dst, src, dst_idx, src_idx)
+
+
+@_copy_items_dequant_op.register_fake
+def _(dst, data, scale, dst_idx, src_idx) -> None:
     return None
 
 

@@ -7,6 +7,8 @@ Llama-3-8B-shaped items by default: 64 tokens x 128 dims bf16 = 16 KiB each for 
 - per_block: one copy_ per item and tensor (3 M calls; on CUDA non_blocking from pinned memory);
 - one_copy: one contiguous copy of the same bytes per tensor (the bandwidth ceiling);
 - writeback: the batched call in the other direction (device -> host), as completed blocks go;
+- host_dtypes: the batched recall from a bf16, an int8 and an fp8 host pool (nosa.kvquant, dequantized
+  into the bf16 device slots on the way): seconds, bytes over the link, and equality with the spec;
 - on CUDA also the link itself (one 1 GiB pinned host -> device copy) and, when sgl_kernel is
   installed, SGLang HiCache's transfer_kv_per_layer on the same K and V items.
 Items are drawn at random from a host pool larger than the caches, into random device slots.
@@ -33,6 +35,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--no-dtypes", action="store_true",
+                        help="skip the host KV dtypes (bf16 vs int8 vs fp8 pools, NOSA_HOST_KV_DTYPE)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads (0: torch's default). On a CPU shared with other busy "
                              "processes, 1 avoids OpenMP regions waiting on a descheduled thread")

@@ -25,7 +25,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCHS = [90, 80]
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
-         torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8"}
+         torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8"}
 # (name, hq, hkv, d, block, topk): the project's shape and the tiny test shape
 SHARED_LIMIT = {90: 232448, 80: 166912}  # bytes of shared memory one block may opt into (H100, A100)
 SHAPES = [("llama3_8b", 32, 8, 128, 64, 64), ("tiny", 4, 2, 16, 16, 8)]
@@ -122,6 +122,20 @@ def sparse_prefill_case(arch, shape, tile=None):
     assert fwd.metadata.shared <= SHARED_LIMIT[arch] and bwd.metadata.shared <= SHARED_LIMIT[arch]
 
 
+def recall_dequant_case(arch, shape, fmt):
+    """The recall of a quantized host pool (K, V quantized with their scales, cis as it is)."""
+    from nosa.kvquant import QuantizedItems
+
+    _, _, _, d, block, _ = shape
+    dst = (t(8, block, d), t(8, block, d), t(8, block, dtype=torch.float32))
+    src = (QuantizedItems(torch.zeros(32, block, d, dtype=fmt), t(32, block, dtype=torch.float32), torch.bfloat16),
+           QuantizedItems(torch.zeros(32, block, d, dtype=fmt), t(32, block, dtype=torch.float32), torch.bfloat16),
+           t(32, block, dtype=torch.float32))
+    idx = torch.zeros(16, dtype=torch.int64)
+    _, args, consts = recall.copy_items_dequant_plan(dst, src, idx, idx)
+    compile_kernel(recall.dequant_kernels()["copy_dequant"], args, consts, arch, num_warps=4)
+
+
 def block_scores_case(arch, shape):
     _, hq, hkv, d, block, _ = shape
     stride, kernel = block // 4, block // 2  # the released ratios (64 / 16 / 32)
@@ -138,6 +152,9 @@ def cases():
     for arch in ARCHS:
         for shape in SHAPES:
             out.append((f"recall-{shape[0]}-sm{arch}", recall_case, (arch, shape)))
+            for fmt in (torch.int8, torch.float8_e4m3fn):
+                name = f"recall_dequant-{str(fmt)[6:]}-{shape[0]}-sm{arch}"
+                out.append((name, recall_dequant_case, (arch, shape, fmt)))
             for dtype in (torch.bfloat16, torch.float32) if shape[0] == "tiny" else (torch.bfloat16,):
                 name = f"slot_decode-{shape[0]}-{str(dtype)[6:]}-sm{arch}"
                 out.append((name, slot_decode_case, (arch, shape, dtype)))

@@ -134,8 +134,10 @@ def test_recall_from_pinned_host_memory():
     host, dev = pools(8, 2, 64, 128, 10, torch.bfloat16)
     pinned = [t.cpu().pin_memory() for t in host]
     items = as_items(pinned)
+    # padding is src -1 (its dst is never used); a real pair never has dst -1 (the loop spec would
+    # wrap it to the last slot, the kernel would write before the tensor)
     dst_idx = torch.tensor([4, 0, 9, 2, -1], device="cuda")
-    src_idx = torch.tensor([15, 3, -1, 8, 0], device="cuda")
+    src_idx = torch.tensor([15, 3, -1, 8, -1], device="cuda")
     expect = loop_copy([t.cpu() for t in dev], items, dst_idx.cpu(), src_idx.cpu())
     copy_items_triton(dev, items, dst_idx, src_idx)
     torch.cuda.synchronize()

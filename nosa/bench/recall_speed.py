@@ -14,6 +14,7 @@ import torch
 
 from nosa import ops
 from nosa.bench.results import write_result
+from nosa.kvquant import QuantizedItems, dequantize, quantize
 
 
 def timed(fn, repeats: int, cuda: bool) -> float:
@@ -97,6 +98,39 @@ def case(items: int, host_items: int, slots: int, block: int, d: int, dtype, cud
     return row
 
 
+def dtype_case(items: int, host_items: int, slots: int, block: int, d: int, cuda: bool, repeats: int, g) -> dict:
+    """The batched recall of ``items`` items from a host pool in bf16, int8 and fp8 (nosa.kvquant:
+    K and V quantized with per-token scales, cis float32), side by side: seconds, bytes over the link
+    (data, scales and cis), and whether the dequantized result equals the spec."""
+    dev = "cuda" if cuda else "cpu"
+    pin = (lambda t: t.pin_memory()) if cuda else (lambda t: t)
+    k, v = (torch.randn(host_items, block, d, generator=g).bfloat16() for _ in range(2))
+    cis = pin(torch.randn(host_items, block, generator=g))
+    src_idx = torch.randperm(host_items, generator=g)[:items].to(dev)
+    dst_idx = torch.randperm(slots, generator=g)[:items].to(dev)
+    dst = [torch.zeros(slots, block, d, dtype=torch.bfloat16, device=dev) for _ in range(2)]
+    dst.append(torch.zeros(slots, block, device=dev))
+    row = {"items": items}
+    for name, fmt in (("bfloat16", None), ("int8", torch.int8), ("float8_e4m3fn", torch.float8_e4m3fn)):
+        if fmt is None:
+            src = [pin(k), pin(v), cis]
+            want = [k[src_idx.cpu()], v[src_idx.cpu()]]
+        else:
+            quantized = [quantize(t, fmt) for t in (k, v)]
+            src = [QuantizedItems(pin(q), pin(s), torch.bfloat16) for q, s in quantized] + [cis]
+            want = [dequantize(q[src_idx.cpu()], s[src_idx.cpu()], torch.bfloat16) for q, s in quantized]
+        per_item = sum(getattr(t, "item_bytes", lambda t=t: t[0].numel() * t.element_size())() for t in src)
+        ops.copy_items(dst, src, dst_idx, src_idx)
+        row[f"{name}_matches_spec"] = all(torch.equal(a[dst_idx].cpu(), w) for a, w in zip(dst, want))
+        row[f"{name}_s"] = timed(lambda src=src: ops.copy_items(dst, src, dst_idx, src_idx), repeats, cuda)
+        row[f"{name}_bytes"] = per_item * items
+        row[f"{name}_gbps"] = per_item * items / row[f"{name}_s"] / 1e9
+    for name in ("int8", "float8_e4m3fn"):
+        row[f"{name}_bytes_over_bf16"] = row[f"{name}_bytes"] / row["bfloat16_bytes"]
+        row[f"{name}_speedup_over_bf16"] = row["bfloat16_s"] / row[f"{name}_s"]
+    return row
+
+
 def link_gbps(cuda: bool, repeats: int) -> float | None:
     """Pinned host -> device bandwidth of one 1 GiB copy (the PCIe link as torch sees it)."""
     if not cuda:
@@ -122,12 +156,18 @@ def run(args) -> None:
         row = case(items, host_items, max(grid), args.block, args.head_dim, torch.bfloat16, cuda, repeats, g)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    host_dtypes = []
+    if not args.no_dtypes:  # NOSA_HOST_KV_DTYPE: the same recall from a quantized host pool
+        for items in grid:
+            row = dtype_case(items, host_items, max(grid), args.block, args.head_dim, cuda, repeats, g)
+            host_dtypes.append(row)
+            print(json.dumps(row), flush=True)
     result = {
         "device": torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
         "threads": torch.get_num_threads(), "load_average_1min": os.getloadavg()[0],
         "block": args.block,
         "head_dim": args.head_dim, "dtype": "bfloat16", "host_items": host_items,
-        "link_gbps": link_gbps(cuda, repeats), "rows": rows,
+        "link_gbps": link_gbps(cuda, repeats), "rows": rows, "host_dtypes": host_dtypes,
         "targets": {"batched_over_per_block": 4.0, "batched_fraction_of_one_copy": 0.8},
     }
     write_result(args.out, result)

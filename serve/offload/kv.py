@@ -111,8 +111,10 @@ def write_token_rows(dst: list[torch.Tensor], src: list[torch.Tensor], rows: tor
         for d, s in zip(dst, src):
             d.index_copy_(0, rows, s)
         return
-    # contiguous: with one KV head (per TP rank) the reshape is still a strided view of SGLang's qkv
-    ops.copy_items(dst, [s.contiguous() for s in src], rows.to(dst[0].device),
+    # contiguous: with one KV head (per TP rank) the reshape is still a strided view of SGLang's qkv.
+    # The rows stay on the GPU beside the tokens: the kernel reads its index lists there, and a copy
+    # of them into pageable host memory cannot be captured (found by graph_check on the H200)
+    ops.copy_items(dst, [s.contiguous() for s in src], rows.to(src[0].device),
                    torch.arange(rows.numel(), device=src[0].device))
 
 

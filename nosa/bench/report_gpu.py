@@ -1,0 +1,77 @@
+"""The docs' tables of the lent H200 (results/gpu_h200.json, joined by scripts/gpu_results.py from
+scripts/gpu_check.sh's output): registered like ``report_tables``' renderers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nosa.bench.report_tables import load, pct, renders, table, times
+
+GPU = "results/gpu_h200.json"
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:.3f}"
+
+
+@renders(GPU)
+def gpu_kernels(root: Path) -> str:
+    data = load(root, GPU)
+    k, tests = data["bench_kernels"], data["tests"]
+    rows = [[f"slot decode, {r['context'] // 1024}K, batch {r['batch']}", _ms(r["dense_s"]), _ms(r["nosa_s"]),
+             times(r["dense_over_nosa"])] for r in k["decode_slots"]]
+    rows += [[f"paged decode, {r['context'] // 1024}K, batch {r['batch']}", _ms(r["dense_s"]), _ms(r["nosa_triton_s"]),
+              times(r["dense_over_nosa_triton"])] for r in k["decode_paged"]]
+    rows += [[f"prefill forward, {r['context'] // 1024}K", _ms(r["dense_fwd_s"]), _ms(r["nosa_fwd_s"]),
+              times(r["dense_over_nosa_fwd"])] for r in k["prefill"]]
+    rows += [[f"prefill forward + backward, {r['context'] // 1024}K", _ms(r["dense_fwd_bwd_s"]),
+              _ms(r["nosa_fwd_bwd_s"]), times(r["dense_over_nosa_fwd_bwd"])] for r in k["prefill"]]
+    s = k["scores"][0]
+    shape = k["shape"]
+    graph = {r["offload"]: r for r in data["graph_check"]["results"]}
+    lines = [
+        f"Kernel tests on the GPU: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped "
+        f"({tests['seconds']:.0f} s; the skips are CPU-path tests and FlashInfer, which did not travel).",
+        "",
+        table(["Triton kernel vs dense (bf16, Hq 32 / Hkv 8, D 128, 64 blocks of 64)", "dense ms", "nosa ms",
+               "dense / nosa"], rows),
+        "",
+        f"- Dense is SDPA (FlashAttention) over the whole context; decode rows are one step of the batch "
+        f"(largest error against the torch reference {k['decode_slots'][0]['max_abs_err_vs_ref']:g}).",
+        f"- The fused block-score kernel ({s['rows']} rows at {s['context'] // 1024}K) took "
+        f"{s['fused_s'] * 1000:.0f} ms against {s['torch_s'] * 1000:.1f} ms for nosa.select's torch code "
+        f"({times(s['torch_over_fused'], 3)}): no serving or training path calls it (they call the torch code).",
+        f"- The serving decode step captured in a CUDA graph (scripts/graph_check.py, {graph[False]['batch']} "
+        f"requests of {min(graph[False]['prompts'])}-{max(graph[False]['prompts'])} tokens, 2 layers): replay "
+        f"{graph[False]['replay_ms']} ms vs eager {graph[False]['eager_ms']} ms with offloading off, "
+        f"{graph[True]['replay_ms']} vs {graph[True]['eager_ms']} ms with offloading on (block cache, recall "
+        f"from pinned host memory); outputs equal to eager (largest difference "
+        f"{max(graph[False]['max_abs_diff'], graph[True]['max_abs_diff']):g}), selections equal.",
+    ]
+    del shape
+    return "\n".join(lines)
+
+
+@renders(GPU)
+def gpu_recall(root: Path) -> str:
+    r = load(root, GPU)["bench_recall"]
+    rows = [[f"{x['items']} ({x['bytes'] / 2**20:.0f} MiB)", f"{x['batched_gbps']:.1f}",
+             f"{x['per_block_gbps']:.2f}", f"{x['one_copy_gbps']:.1f}", times(x["batched_over_per_block"], 0),
+             pct(x["batched_fraction_of_one_copy"], 0)] for x in r["rows"]]
+    q = [[x["items"], f"{x['bfloat16_s'] * 1e3:.2f}", f"{x['int8_s'] * 1e3:.2f}", f"{x['float8_e4m3fn_s'] * 1e3:.2f}",
+          pct(x["int8_bytes_over_bf16"], 0), times(x["int8_speedup_over_bf16"]),
+          times(x["float8_e4m3fn_speedup_over_bf16"]),
+          "yes" if all(x[f"{n}_matches_spec"] for n in ("bfloat16", "int8", "float8_e4m3fn")) else "NO"]
+         for x in r.get("host_dtypes", [])]
+    return "\n".join([
+        f"The link: one 1 GiB pinned host -> device copy ran at {r['link_gbps']:.1f} GB/s (PCIe Gen5 x16).",
+        "",
+        table(["items per call (K + V + cis)", "batched GB/s", "one copy per block GB/s", "one large copy GB/s",
+               "batched / per block", "batched / one copy"], rows),
+        "",
+        "The same batched recall from a quantized host pool (`NOSA_HOST_KV_DTYPE`, nosa.kvquant: one byte per "
+        "element plus a float32 scale per token and KV head, dequantized into the bf16 slots in the same launch):",
+        "",
+        table(["items", "bf16 ms", "int8 ms", "fp8 ms", "bytes vs bf16", "int8 speed-up", "fp8 speed-up",
+               "equal to the spec"], q),
+    ])
