@@ -175,7 +175,15 @@ def resolve_layer(blocks: torch.Tensor, col_of: torch.Tensor, groups: torch.Tens
     if not (blocks.is_contiguous() and counts.is_contiguous() and max_warm_misses.is_contiguous()
             and group_misses.is_contiguous()):
         raise ValueError("resolve_layer: the slot map and the counters must be contiguous")
-    dev_ptrs, host_ptrs, item_bytes = _pair(dev, host)
+    quantized = any(getattr(t, "scale", None) is not None for t in host)
+    if quantized and copy:
+        raise ValueError("resolve_layer: a quantized host pool (NOSA_HOST_KV_DTYPE) is copied by the caller "
+                         "(copy=False, then nosa.ops.copy_items, which dequantizes)")
+    if quantized:  # the kernel only diffs and lists the misses: the host pointers are never read
+        dev_ptrs, item_bytes = _buffers(dev)
+        host_ptrs = dev_ptrs
+    else:
+        dev_ptrs, host_ptrs, item_bytes = _pair(dev, host)
     wanted = _dense(wanted)
     table = table_rows = None
     if isinstance(pages, torch.Tensor):

@@ -71,6 +71,11 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("NOSA_RECALL_CHUNK_ITEMS", "64",
            "Items per chunk of the recall scheduler's prefetch (it can pause between chunks).",
            _SERVE_SETTINGS),
+    EnvVar("NOSA_HOST_KV_DTYPE", "auto",
+           "How the host pool stores K and V with offloading: `auto` (the model's dtype), `int8` or "
+           "`float8_e4m3fn` (one byte per element plus a float32 scale per token and KV head, dequantized into "
+           "the device cache on recall; nosa.kvquant). The eviction scores and the selection stay exact.",
+           _SERVE_SETTINGS, ("auto", "bfloat16", "float16", "float32", "int8", "float8_e4m3fn")),
     EnvVar("NOSA_ADMISSION", "0",
            "`1` turns on I/O-adaptive admission: a request owns topk_blocks slots, extra slots are lent from idle "
            "requests, and new requests wait while their recall could not be hidden.",

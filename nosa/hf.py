@@ -26,6 +26,7 @@ from nosa.config import CONFIG_KEY, NosaConfig
 from nosa.decode import NosaDecodeState
 from nosa.eviction import MODULE_NAME, EvictionHead
 from nosa.kv import ContiguousKV
+from nosa.kvquant import roundtrip
 
 ATTN_IMPLEMENTATION = "nosa"
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)  # llama, qwen2, qwen3, gemma3_text: the base models NOSA extends
@@ -114,6 +115,7 @@ def nosa_attention_forward(
         capture(query, key, value)
 
     states: dict[int, NosaDecodeState] = module.__dict__.setdefault("_nosa_states", {})
+    host_dtype = None if module.training else module.__dict__.get("_nosa_host_kv_dtype")  # host_kv_dtype()
     if q_len > 1:
         states.clear()  # a new prefill starts new sequences
     if attention_mask is None and q_len == kv_len and (q_len > 1 or module.training):
@@ -122,10 +124,11 @@ def nosa_attention_forward(
         for b in range(bsz):
             q_rows, k_seq, v_seq = (t[b].transpose(0, 1) for t in (query, key, value))
             docs = _document_bounds(position_ids, b, None)
+            attend_kv = None if host_dtype is None else (roundtrip(k_seq, host_dtype), roundtrip(v_seq, host_dtype))
             if docs is None and kv_len <= cfg.dense_len:  # every row dense: no selection to compute
-                outs.append(dense_attention(q_rows, k_seq, v_seq, scale))
+                outs.append(dense_attention(q_rows, *(attend_kv or (k_seq, v_seq)), scale))
             elif docs is None:
-                outs.append(nosa_prefill(q_rows, k_seq, v_seq, evict(v_seq), cfg, scale)[0])
+                outs.append(nosa_prefill(q_rows, k_seq, v_seq, evict(v_seq), cfg, scale, attend_kv=attend_kv)[0])
             else:
                 outs.append(nosa_prefill_varlen(q_rows, k_seq, v_seq, evict(v_seq), docs, cfg, scale)[0])
         return torch.stack(outs), None
@@ -141,10 +144,13 @@ def nosa_attention_forward(
         v_seq = value[b].index_select(1, keep).transpose(0, 1)
         q_rows = query[b, :, rows].transpose(0, 1)  # [r, Hq, D]
         if q_len == 1 and not module.training:
-            out[b, rows] = _decode(states, b, q_rows[0], k_seq, v_seq, evict, cfg, scale)[None]
+            out[b, rows] = _decode(states, b, q_rows[0], k_seq, v_seq, evict, cfg, scale, host_dtype)[None]
             continue
         docs = _document_bounds(position_ids, b, rows) if rows.numel() == keep.numel() else None
-        if docs is None:
+        if docs is None and host_dtype is not None:
+            o, _ = nosa_prefill(q_rows, k_seq, v_seq, evict(v_seq), cfg, scale,
+                                attend_kv=(roundtrip(k_seq, host_dtype), roundtrip(v_seq, host_dtype)))
+        elif docs is None:
             o, _ = nosa_prefill(q_rows, k_seq, v_seq, evict(v_seq), cfg, scale)
         else:
             o, _ = nosa_prefill_varlen(q_rows, k_seq, v_seq, evict(v_seq), docs, cfg, scale)
@@ -182,8 +188,10 @@ def capture_attention_inputs(model, batch_row: int | None = 0, detach: bool = Tr
             m.__dict__.pop("_nosa_capture", None)
 
 
-def _decode(states, b, q, k_seq, v_seq, evict, cfg, scale) -> torch.Tensor:
-    """One decode step of batch row b, reusing its state when it still describes this cache."""
+def _decode(states, b, q, k_seq, v_seq, evict, cfg, scale, host_dtype=None) -> torch.Tensor:
+    """One decode step of batch row b, reusing its state when it still describes this cache.
+    ``host_dtype``: attend over K and V as a host pool of that dtype gives them back (the selection
+    reads the exact keys)."""
     length = k_seq.shape[0]
     state = states.get(b)
     fresh = (
@@ -198,7 +206,29 @@ def _decode(states, b, q, k_seq, v_seq, evict, cfg, scale) -> torch.Tensor:
         kv = ContiguousKV(k_seq, v_seq, evict(v_seq))
         state.append(kv)
     state.probe = k_seq[length - 1].clone()
+    if host_dtype is not None:
+        kv = ContiguousKV(roundtrip(k_seq, host_dtype), roundtrip(v_seq, host_dtype), kv.cis_all)
     return state.attend(q, kv, scale)
+
+
+@contextlib.contextmanager
+def host_kv_dtype(model, dtype: torch.dtype | None):
+    """While active, the NOSA layers of ``model`` attend (outside training) over K and V as a host
+    pool of ``dtype`` gives them back (nosa.kvquant.roundtrip: ``int8`` / ``float8_e4m3fn``), the
+    selection still reading the exact keys and eviction scores: what a server with
+    $NOSA_HOST_KV_DTYPE and offloading computes, the reference its replies are tested against."""
+    modules = nosa_attention_modules(model)
+    if not modules:
+        raise ValueError(f"host_kv_dtype: {type(model).__name__} is not a NOSA model (nosa.convert it)")
+    for _, m in modules:
+        m._nosa_host_kv_dtype = dtype
+        m.__dict__.pop("_nosa_states", None)  # states built without it must not be reused
+    try:
+        yield model
+    finally:
+        for _, m in modules:
+            m.__dict__.pop("_nosa_host_kv_dtype", None)
+            m.__dict__.pop("_nosa_states", None)
 
 
 def _valid_keys(mask: torch.Tensor | None, bsz: int, kv_len: int, device) -> torch.Tensor:

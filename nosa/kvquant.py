@@ -106,11 +106,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale.float()[..., None]).to(dtype)
 
 
-def roundtrip(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def roundtrip(x: torch.Tensor, dtype: torch.dtype, check_finite: bool = True) -> torch.Tensor:
     """x as a host pool of ``dtype`` gives it back (x itself when ``dtype`` is not quantized)."""
     if not is_quantized(dtype):
         return x
-    return dequantize(*quantize(x, dtype), x.dtype)
+    return dequantize(*quantize(x, dtype, check_finite), x.dtype)
 
 
 def error_bound(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -98,6 +98,9 @@ def main(argv=None) -> int:
     parser.add_argument("--a0", action=argparse.BooleanOptionalAction, default=True,
                         help="the A = 0 variants (--no-a0: only dense and the --nosa checkpoints, e.g. to add a "
                              "checkpoint to an earlier report on the same examples with --merge)")
+    parser.add_argument("--host-kv-dtypes", nargs="+", default=["auto"], choices=["auto", "int8", "float8_e4m3fn"],
+                        help="each NOSA variant once per host KV format (NOSA_HOST_KV_DTYPE; nosa.hf.host_kv_dtype: "
+                             "attention reads K and V quantized and dequantized, the selection the exact keys)")
     parser.add_argument("--prefill", choices=("dense", "sparse"), default="dense")
     parser.add_argument("--ppl-windows", type=int, default=3,
                         help="held-out windows of the longest length (0: no perplexity)")

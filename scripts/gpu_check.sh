@@ -85,9 +85,9 @@ step bench_kernels 150 env -u NOSA_DECODE_IMPL $PY scripts/bench_kernels.py --qu
 step graph_check 120 $PY scripts/graph_check.py --device cuda --out "$OUT/graph_check.json"
 
 # FlashInfer last: its install and JIT build are the slowest steps and only decide an option's default.
-# NOSA_GPU_FLASHINFER=0 skips it (the wheels are ~60 MiB of the call's 64 MiB carry; without them and
+# GPU_CHECK_FLASHINFER=0 skips it (the wheels are ~60 MiB of the call's 64 MiB carry; without them and
 # without a registry pip would only wait on the network).
-if [[ "${NOSA_GPU_FLASHINFER:-1}" != 0 ]]; then
+if [[ "${GPU_CHECK_FLASHINFER:-1}" != 0 ]]; then
 # 6. FlashInfer (the NOSA_DECODE_IMPL=flashinfer option): install it, JIT-build the NOSA variant once
 #    (nvcc, found through CUDA_HOME or PATH; the benchmark then reuses FlashInfer's JIT cache), and
 #    run its GPU test against the reference. Failures land in summary.json ("flashinfer").

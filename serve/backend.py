@@ -38,6 +38,7 @@ from nosa.serve.checkpoint import (
 from nosa.serve.decode_runner import DecodeRunner, PoolResolver
 from nosa.serve.metadata import ForwardMetadata, captured
 from nosa.serve.offload.engine import OffloadEngine
+from nosa.serve.offload.kv import exact_prefill_keys
 from nosa.serve.offload.settings import offload_enabled
 from nosa.serve.parallel import KVHeadShard
 from nosa.serve.registry import RequestRegistry
@@ -225,7 +226,15 @@ class NosaAttnBackend(AttentionBackend):
             rows = slice(start, start + n)
             if view is not None:  # reads only the union of each chunk's blocks from the host pool
                 state = self._state(row, layer_id, fresh=slots.shape[0] == n, max_length=slots.shape[0] - n)
+                ours = view.quantized and self.states.get(row, layer_id) is state
+                if ours:  # a quantized pool: the selection's keys stay exact (this chunk's, the ring's)
+                    view.exact_keys[i] = exact_prefill_keys(self.states.pool, layer_id, row, state,
+                                                            k.view(-1, self.num_kv_heads, self.head_dim)[rows],
+                                                            slots.shape[0] - n)
                 io.o[rows], _ = state.prefill(io.q[rows], view, layer.scaling, seq=i)
+                if ours:  # the row's rings from the exact keys, so its first decode step reads no others
+                    self.states.pool.refill_tails(layer_id, row, view, i, state.length)
+                    state.store.tails_at = state.length
             else:
                 io.o[rows] = self._prefill_from_pool(io.q[rows], slots, layer)
             start += n

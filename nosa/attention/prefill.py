@@ -38,11 +38,14 @@ def nosa_prefill(
     cfg: NosaConfig,
     scale: float,
     row_chunk: int | None = None,
+    attend_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention for the last n tokens of a context.
 
     q: [n, Hq, D]; k, v: [L, Hkv, D]; cis: [L, Hkv] (eviction-head scores, differentiable).
-    Returns (out [n, Hq, D], selection [n, Hkv, K] long, -1 padded).
+    Returns (out [n, Hq, D], selection [n, Hkv, K] long, -1 padded). ``attend_kv``: other (k, v)
+    for the attention itself, the selection still reading ``k`` (a quantized host pool: attention
+    sees K and V as the pool gives them back, nosa.kvquant, the selection the exact keys).
 
     Every row is selected (``prefill_selection``; the rows within dense_len too, whose selections
     callers track churn from); attention goes through ``attend_selected``, whose gathered path works
@@ -52,7 +55,8 @@ def nosa_prefill(
     """
     dense_rows = _dense_rows(q, k, cis, cfg)
     selection = prefill_selection(q, k, cis, cfg, scale, row_chunk)
-    return _attend(q, k, v, cis, selection[dense_rows:], dense_rows, cfg, scale, row_chunk), selection
+    k_att, v_att = attend_kv if attend_kv is not None else (k, v)
+    return _attend(q, k_att, v_att, cis, selection[dense_rows:], dense_rows, cfg, scale, row_chunk), selection
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cis: torch.Tensor, cfg: NosaConfig,

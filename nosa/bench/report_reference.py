@@ -17,7 +17,9 @@ import tokenize
 from pathlib import Path
 from typing import Any, Callable
 
-from nosa import env
+import torch
+
+from nosa import env, kvquant
 from nosa.bench.report_tables import table
 from nosa.config import NosaConfig
 from nosa.train.config import TrainConfig
@@ -151,3 +153,26 @@ def env_vars(root: Path) -> str:
         rows.append([f"`{var.name}`", default, _escape(" ".join(str(var.meaning).split())), used])
     return (table(["variable", "default", "meaning", "read by"], rows)
             + "\n\nGenerated from `nosa.env.VARIABLES`.")
+
+
+@renders
+def host_kv_bytes(root: Path) -> str:
+    """Host bytes per (token, KV head, layer) of each NOSA_HOST_KV_DTYPE, from nosa.kvquant."""
+    rows = []
+    for d in (64, 128):
+        full = kvquant.bytes_per_token(d, d, torch.bfloat16)
+        for name, dtype in (("bfloat16 (the model's)", torch.bfloat16), ("int8", torch.int8),
+                            ("float8_e4m3fn", torch.float8_e4m3fn)):
+            n = kvquant.bytes_per_token(d, d, dtype)
+            rows.append([d, name, n, f"{n / full:.2f}x"])
+    bytes_table = table(["head dim", "host KV dtype", "bytes per token, KV head and layer (K, V, scales, cis)",
+                         "vs bf16"], rows)
+    # capacity: SmolLM2-135M (30 layers, 3 KV heads of 64) at 8K tokens in 16 GiB of host memory, as the
+    # host pool allocates it (HostKVPool: layers x pages x KV heads x page tokens x bytes_per_token)
+    layers, hkv, d, context, memory = 30, 3, 64, 8192, 16 * 2**30
+    fits = []
+    for name, dtype in (("bf16", torch.bfloat16), ("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        per_request = layers * hkv * context * kvquant.bytes_per_token(d, d, dtype)
+        fits.append(f"{name} {memory // per_request} ({per_request / 2**20:.0f} MiB each)")
+    return (bytes_table + "\n\nSmolLM2-135M requests of 8K tokens that 16 GiB of host pool holds, computed from the "
+            "pool's allocation: " + ", ".join(fits) + ".")

@@ -23,6 +23,7 @@ import torch
 from nosa import ops
 from nosa.kernels import resolve_cpu
 from nosa.kv import DeviceRows
+from nosa.kvquant import QuantizedItems
 from nosa.serve.metadata import captured
 from nosa.serve.offload.recall import PREFETCH, Transfer
 from nosa.serve.offload.resolve import (
@@ -346,7 +347,8 @@ class DeviceBlockCache:
         ``prefetched`` [R, Hkv, NS]: slots a prefetch landed (``claim_prefetch``; host side only).
         On a CPU server (no prefetch to place) one fused kernel, nosa.kernels.resolve_cpu, runs it;
         this torch code is its spec."""
-        if prefetched is None and resolve_cpu.wanted_here(wanted, self.k[layer]):
+        quantized = isinstance(host_items[0], QuantizedItems)  # NOSA_HOST_KV_DTYPE: recalls dequantize
+        if prefetched is None and resolve_cpu.wanted_here(wanted, self.k[layer]) and not (quantized and captured()):
             return self._resolve_fused(layer, groups, wanted, lengths, pages, host_items, new_tokens, warm, real)
         if isinstance(pages, PageTable):
             pages = pages.pages(wanted, self.block)
@@ -402,11 +404,17 @@ class DeviceBlockCache:
                 self.max_warm_misses[layer], self.group_misses, self.home)
             return self._device_rows(layer, rows, valid, item, fill)
         by_scheduler = self.scheduler is not None
+        # a quantized pool: the kernel diffs, nosa.ops.copy_items dequantizes the misses (its C++ loop)
+        inline_copy = isinstance(host_items[0], QuantizedItems) and not by_scheduler
         start = time.perf_counter()
         done = resolve_cpu.resolve_layer(self.blocks[layer], self.col_of, groups, wanted, pages, lengths, warm, real,
                                          bufs, list(host_items), new, self.dump_row, self.counts[layer],
                                          self.max_warm_misses[layer], self.group_misses, self.home,
-                                         copy=not by_scheduler)
+                                         copy=not (by_scheduler or inline_copy))
+        if inline_copy:
+            ops.copy_items(bufs, list(host_items), done.miss_dst, done.miss_src)
+            if new is not None:
+                resolve_cpu.write_tokens(wanted, lengths, done.item, bufs, new, self.dump_row)
         with self._lock:
             # (padding rows resolve in the spare group, which the kernel does not count)
             self.full[layer] = set(groups.tolist()) - {self.spare_group} if done.empty == 0 else set()

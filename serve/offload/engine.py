@@ -15,6 +15,7 @@ import logging
 
 from nosa.decode import WantedBlocks
 from nosa.kv import DeviceRows
+from nosa.kvquant import QuantizedItems, roundtrip
 from nosa.serve.metadata import ForwardMetadata, StepInputs, captured
 from nosa.serve.offload import admission
 from nosa.serve.offload.block_cache import DeviceBlockCache
@@ -67,6 +68,8 @@ class OffloadEngine:
             head_dim, pool.v_head_dim, pool.dtype, model_runner.device, scheduler=scheduler,
             home_slots=settings.home_slots(cfg),
         )
+        if getattr(pool, "quantized", False):  # what a recall moves: the host's bytes (data, scales, cis)
+            cache.item_bytes = cfg.block_size * pool.bytes_per_token_head
         admission = _start_admission(settings, cfg, cache, pool, num_layers, num_kv_heads) if settings.admission \
             else None
         return cls(model_runner, cfg, cache, scheduler, admission)
@@ -110,8 +113,14 @@ class OffloadEngine:
         prefetched = None
         if self.scheduler is not None and not captured():
             prefetched = self.cache.claim_prefetch(layer, inputs.groups)
-        return self.cache.resolve_layer(layer, inputs.groups, wanted.blocks, inputs.lengths, pages,
-                                        self.pool.items(layer), new_tokens, inputs.warm, inputs.real, prefetched)
+        host = self.pool.items(layer)
+        if isinstance(host[0], QuantizedItems):
+            # the new token goes into its device slot as a recall would bring it back (quantized, then
+            # dequantized): attention reads every token the same way, however long its block stays resident
+            new_tokens = new_tokens._replace(k=roundtrip(new_tokens.k, host[0].data.dtype, check_finite=False),
+                                             v=roundtrip(new_tokens.v, host[1].data.dtype, check_finite=False))
+        return self.cache.resolve_layer(layer, inputs.groups, wanted.blocks, inputs.lengths, pages, host, new_tokens,
+                                        inputs.warm, inputs.real, prefetched)
 
     def prefetch(self, layer: int, metadata: ForwardMetadata, states) -> None:
         """Start moving ``layer``'s predicted blocks for this decode step (the layer before it is

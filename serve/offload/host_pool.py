@@ -20,10 +20,12 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from nosa import kvquant
 from nosa.checkpoint_format import nosa_layers
+from nosa.kvquant import QuantizedItems
 from nosa.serve.checkpoint import load_nosa_config, resolve_model_dir
 from nosa.serve.offload.kv import TokenRowMemo, write_token_rows
-from nosa.serve.offload.settings import OffloadSettings, check_host_memory
+from nosa.serve.offload.settings import OffloadSettings, backend_errors, check_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class HostKVPool(MHATokenToKVPool):
     # SGLang reads $SGLANG_USE_HND_KVCACHE into ``use_hnd`` in __init__; this pool is always HND.
     use_hnd = property(lambda self: True, lambda self, value: None)
     nosa_layer_ids: tuple[int, ...] | None = None  # the model's layers with NOSA attention (None: all)
+    host_kv_dtype_name: str = "auto"  # $NOSA_HOST_KV_DTYPE (nosa.kvquant)
 
     def _create_buffers_normal(self):
         mine = range(self.start_layer, self.start_layer + self.layer_num)
@@ -44,15 +47,26 @@ class HostKVPool(MHATokenToKVPool):
         self.nosa_index = {layer_id: n for n, layer_id in enumerate(ids)}  # SGLang layer id -> buffer
         layers = len(self.nosa_index)
         shape = (self.num_pages, self.head_num, self.page_size)
-        nbytes = layers * (self.num_pages * self.head_num * self.page_size
-                           * ((self.head_dim + self.v_head_dim) * self.store_dtype.itemsize + 4))
-        check_host_memory(nbytes, f"{layers} layers x {self.num_pages} pages of {self.page_size} tokens")
-        self.k_buffer = [torch.zeros(*shape, self.head_dim, dtype=self.store_dtype) for _ in range(layers)]
-        self.v_buffer = [torch.zeros(*shape, self.v_head_dim, dtype=self.store_dtype) for _ in range(layers)]
+        with backend_errors():
+            self.kv_dtype = kvquant.host_kv_dtype(self.host_kv_dtype_name, self.dtype)  # what K and V are stored in
+        self.quantized = kvquant.is_quantized(self.kv_dtype)
+        nbytes = layers * self.num_pages * self.head_num * self.page_size * self.bytes_per_token_head
+        check_host_memory(nbytes, f"{layers} layers x {self.num_pages} pages of {self.page_size} tokens"
+                                  f" ({self.kv_dtype})")
+        store = self.kv_dtype if self.quantized else self.store_dtype
+        self.k_buffer = [torch.zeros(*shape, self.head_dim, dtype=store) for _ in range(layers)]
+        self.v_buffer = [torch.zeros(*shape, self.v_head_dim, dtype=store) for _ in range(layers)]
         self.cis_buffer = [torch.zeros(shape, dtype=torch.float32) for _ in range(layers)]
+        scales = [torch.zeros(shape, dtype=kvquant.SCALE_DTYPE) for _ in range(2 * layers if self.quantized else 0)]
+        self.k_scale, self.v_scale = scales[:layers], scales[layers:]
         if torch.device(self.device).type == "cuda":
-            for buf in (*self.k_buffer, *self.v_buffer, *self.cis_buffer):
+            for buf in (*self.k_buffer, *self.v_buffer, *self.cis_buffer, *scales):
                 _pin(buf)
+
+    @property
+    def bytes_per_token_head(self) -> int:
+        """Host bytes of one token of one KV head in one layer: K, V (their scales when quantized), cis."""
+        return kvquant.bytes_per_token(self.head_dim, self.v_head_dim, self.kv_dtype)
 
     # ---- item views (what the recall engine copies) -------------------------------------------
     def items(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,8 +74,12 @@ class HostKVPool(MHATokenToKVPool):
         NOSA attention); item = page * Hkv + h. The views are made once per layer (several calls
         per layer and step)."""
         views = getattr(self, "_item_views", {}).get(i)
-        if views is None or views[0].data_ptr() != self.k_buffer[i].data_ptr():
-            views = (self.k_buffer[i].flatten(0, 1), self.v_buffer[i].flatten(0, 1), self.cis_buffer[i].flatten(0, 1))
+        if views is None or views[2].data_ptr() != self.cis_buffer[i].data_ptr():
+            k, v = self.k_buffer[i].flatten(0, 1), self.v_buffer[i].flatten(0, 1)
+            if self.quantized:  # recalls dequantize them into the device cache (nosa.ops.copy_items)
+                k = QuantizedItems(k, self.k_scale[i].flatten(0, 1), self.dtype)
+                v = QuantizedItems(v, self.v_scale[i].flatten(0, 1), self.dtype)
+            views = (k, v, self.cis_buffer[i].flatten(0, 1))
             self.__dict__.setdefault("_item_views", {})[i] = views
         return views
 
@@ -84,10 +102,21 @@ class HostKVPool(MHATokenToKVPool):
         if layer_id not in self.nosa_index:
             raise ValueError(f"nosa offloading: layer {layer_id} has no host KV (a sliding-window layer keeps its "
                              "window on the device, nosa.serve.window)")
-        k_items, v_items, _ = self.items(self.nosa_index[layer_id])
-        write_token_rows([k_items.view(-1, self.head_dim), v_items.view(-1, self.v_head_dim)],
-                         [cache_k.to(self.dtype).reshape(-1, self.head_dim),
-                          cache_v.to(self.dtype).reshape(-1, self.v_head_dim)], self.token_rows(loc).flatten())
+        i = self.nosa_index[layer_id]
+        k_new = cache_k.to(self.dtype).reshape(-1, self.head_dim)
+        v_new = cache_v.to(self.dtype).reshape(-1, self.v_head_dim)
+        rows = self.token_rows(loc).flatten()
+        if not self.quantized:
+            k_items, v_items, _ = self.items(i)
+            write_token_rows([k_items.view(-1, self.head_dim), v_items.view(-1, self.v_head_dim)], [k_new, v_new], rows)
+            return
+        # each token quantized once, as it is written (per-token scales: nosa.kvquant). Not checked for
+        # inf / nan (a host read a captured step cannot make): such a token reads back as nan, as it
+        # would from a pool in the model's dtype
+        (qk, sk), (qv, sv) = (kvquant.quantize(x, self.kv_dtype, check_finite=False) for x in (k_new, v_new))
+        write_token_rows([self.k_buffer[i].view(-1, self.head_dim), self.k_scale[i].view(-1, 1),
+                          self.v_buffer[i].view(-1, self.v_head_dim), self.v_scale[i].view(-1, 1)],
+                         [qk, sk[:, None], qv, sv[:, None]], rows)
 
     def set_cis(self, i: int, loc: torch.Tensor, cis: torch.Tensor) -> None:
         """Eviction scores of new tokens [T, Hkv] of NOSA layer i into their host slots."""
@@ -120,7 +149,8 @@ def register_hooks(settings: OffloadSettings) -> None:
         if kind != "mha" or cls is not MHATokenToKVPool:
             return cls
         layers = tuple(nosa_layers(self.model_config.hf_text_config))
-        return type(HostKVPool.__name__, (HostKVPool,), {"nosa_layer_ids": layers, "__module__": __name__})
+        return type(HostKVPool.__name__, (HostKVPool,), {"nosa_layer_ids": layers, "__module__": __name__,
+                                                         "host_kv_dtype_name": settings.host_kv_dtype})
 
     def profile(original, self, *args, **kwargs):
         # the pool lives in host memory: device memory does not bound it (RAM is checked on allocation)

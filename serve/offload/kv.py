@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from nosa import ops
+from nosa.kvquant import QuantizedItems
 from nosa.layout import NEG_INF
 from nosa.select import static_selection
 from nosa.serve.metadata import ForwardMetadata
@@ -33,7 +34,9 @@ class OffloadKV:
         self.pool, self.cache, self.req_to_token, self.layer_id = pool, cache, req_to_token, layer_id
         self.metadata, self.device, self.new_tokens = metadata, device, new_tokens
         self.block = pool.page_size
-        self.host = pool.items(layer_id)  # (k [P*Hkv, B, D], v, cis [P*Hkv, B])
+        self.host = pool.items(layer_id)  # (k [P*Hkv, B, D], v, cis [P*Hkv, B]); k, v may be QuantizedItems
+        self.quantized = isinstance(self.host[0], QuantizedItems)
+        self.exact_keys: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (first position, keys [n, Hkv, D])
 
     def length(self, i: int) -> int:
         return self.metadata.lengths[i]
@@ -43,10 +46,19 @@ class OffloadKV:
         src = self.host[which]
         width = src.shape[-1] if which < 2 else 1
         out = torch.empty(rows.numel(), width, dtype=src.dtype, device=self.device)
-        ops.copy_items([out], [src.view(-1, width)], torch.arange(rows.numel(), device=self.device), rows.flatten())
+        if isinstance(src, QuantizedItems):  # token rows [P*Hkv*B, D] with one scale each
+            tokens = QuantizedItems(src.data.view(-1, width), src.scale.view(-1), src.dtype)
+        else:
+            tokens = src.view(-1, width)
+        ops.copy_items([out], [tokens], torch.arange(rows.numel(), device=self.device), rows.flatten())
         return out.view(*rows.shape, width) if which < 2 else out.view(rows.shape)
 
     def keys(self, i: int, lo: int, hi: int) -> torch.Tensor:
+        """Keys of tokens [lo, hi) of sequence i, from ``exact_keys`` where they cover the range (a
+        quantized pool: the compressed keys the selection reads stay exact), else the host pool."""
+        exact = self.exact_keys.get(i)
+        if exact is not None and exact[0] <= lo and hi <= exact[0] + exact[1].shape[0]:
+            return exact[1][lo - exact[0] : hi - exact[0]]
         return self._token_read(0, i, lo, hi)
 
     def cis(self, i: int, lo: int, hi: int) -> torch.Tensor:
@@ -68,6 +80,21 @@ class OffloadKV:
         pages = host_pages(self.req_to_token, self.metadata.table_rows, blocks, self.block)
         return self.cache.resolve(self.layer_id, self.metadata.groups, blocks, self.metadata.lengths, pages, self.host,
                                   self.new_tokens)
+
+
+def exact_prefill_keys(pool, layer: int, row: int, state, k_new: torch.Tensor, prefix: int):
+    """(first position, exact keys [n, Hkv, D]) an extend of a quantized host pool reads its
+    compressed keys from (``OffloadKV.exact_keys``): the new tokens' ``k_new`` (at positions prefix..)
+    and, when the row's key ring (nosa.state_pool.StatePool.tail_k) holds the tokens just before them,
+    up to compress_kernel of those (the windows that straddle the chunk's start). Without the ring (a
+    prefix-cache hit: the prefix was written by another request) the earlier keys come from the host
+    pool, dequantized."""
+    c = pool.cfg.compress_kernel
+    if prefix and getattr(state.store, "tails_at", None) == prefix:
+        m = min(c, prefix)
+        ring = pool.tail_k[layer][row, torch.arange(prefix - m, prefix, device=pool.device) % c]
+        return prefix - m, torch.cat([ring.to(k_new.device, k_new.dtype), k_new])
+    return prefix, k_new
 
 
 def token_rows(loc: torch.Tensor, page_size: int, head_num: int) -> torch.Tensor:
@@ -109,6 +136,8 @@ def write_token_rows(dst: list[torch.Tensor], src: list[torch.Tensor], rows: tor
     if all(d.device == s.device for d, s in zip(dst, src)):
         rows = rows.to(dst[0].device)
         for d, s in zip(dst, src):
+            if d.dtype == torch.float8_e4m3fn:  # (torch has no index_copy_ for fp8 on CPU: copy its bytes)
+                d, s = d.view(torch.uint8), s.view(torch.uint8)
             d.index_copy_(0, rows, s)
         return
     # contiguous: with one KV head (per TP rank) the reshape is still a strided view of SGLang's qkv.

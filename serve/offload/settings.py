@@ -4,7 +4,7 @@ SGLang's command line belongs to SGLang, and the plugin runs in the launcher and
 subprocess, so the settings are environment variables, read through nosa.env (whose ``VARIABLES``
 say what each means): $NOSA_OFFLOAD (on/off), $NOSA_HOST_KV_TOKENS and $NOSA_DEVICE_KV_TOKENS
 (required with offloading), $NOSA_DEVICE_EXTRA_SLOTS, $NOSA_RECALL_SCHEDULER,
-$NOSA_RECALL_CHUNK_ITEMS and $NOSA_ADMISSION. A malformed value raises ValueError naming the
+$NOSA_RECALL_CHUNK_ITEMS, $NOSA_ADMISSION and $NOSA_HOST_KV_DTYPE. A malformed value raises ValueError naming the
 variable, the value and what is expected.
 """
 
@@ -23,6 +23,7 @@ ENV_EXTRA_SLOTS = "NOSA_DEVICE_EXTRA_SLOTS"
 ENV_SCHEDULE = "NOSA_RECALL_SCHEDULER"
 ENV_CHUNK = "NOSA_RECALL_CHUNK_ITEMS"
 ENV_ADMISSION = "NOSA_ADMISSION"
+ENV_HOST_DTYPE = "NOSA_HOST_KV_DTYPE"
 
 
 def offload_enabled() -> bool:
@@ -54,6 +55,7 @@ class OffloadSettings:
     schedule: bool = False  # $NOSA_RECALL_SCHEDULER
     chunk_items: int = 64  # $NOSA_RECALL_CHUNK_ITEMS
     admission: bool = False  # $NOSA_ADMISSION
+    host_kv_dtype: str = "auto"  # $NOSA_HOST_KV_DTYPE (nosa.kvquant.host_kv_dtype reads it)
 
     @classmethod
     def from_env(cls) -> "OffloadSettings":
@@ -65,6 +67,7 @@ class OffloadSettings:
                 schedule=env.flag(ENV_SCHEDULE),
                 chunk_items=env.integer(ENV_CHUNK, minimum=1),
                 admission=env.flag(ENV_ADMISSION),
+                host_kv_dtype=env.choice(ENV_HOST_DTYPE),
             )
 
     def home_slots(self, cfg: NosaConfig) -> int:

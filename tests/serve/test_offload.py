@@ -6,7 +6,9 @@ checkpoint with non-zero eviction heads on every KV head.
 - ``off``: the session's ``nosa_server`` (tests/serve/conftest.py): the same checkpoint, the same
   chunked prefill and context length, offloading off (the KV in SGLang's pool);
 - ``sched``: ``on`` plus the recall scheduler (chunks of 4 items, so prefetches get preempted),
-  admission (each request owns 8 slots, borrows up to 2 more) and W&B offline logging.
+  admission (each request owns 8 slots, borrows up to 2 more) and W&B offline logging;
+- ``int8``: ``on`` with an int8 host pool ($NOSA_HOST_KV_DTYPE); ``fp8``: ``sched``'s recall
+  scheduler and admission with a float8_e4m3fn host pool (no W&B).
 Counters come from the file the backend writes when $NOSA_SERVE_STATS_FILE is set.
 """
 
@@ -52,10 +54,15 @@ def servers(tiny_nosa_checkpoint, tmp_path_factory, nosa_server):
         "sched": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "sched.log"),
                                env={**OFFLOAD_ENV, **SCHED_ENV, "NOSA_SERVE_STATS_FILE": str(logs / "sched.json"),
                                     "NOSA_SERVE_WANDB_DIR": str(logs / "wandb")}),
+        "int8": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "int8.log"),
+                              env={**OFFLOAD_ENV, "NOSA_HOST_KV_DTYPE": "int8"}),
+        "fp8": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "fp8.log"),
+                             env={**OFFLOAD_ENV, **{k: v for k, v in SCHED_ENV.items() if "WANDB" not in k},
+                                  "NOSA_HOST_KV_DTYPE": "float8_e4m3fn"}),
     }
     procs = {**own, "off": nosa_server}
     try:
-        for name in ("on", "off", "sched"):
+        for name in ("on", "off", "sched", "int8", "fp8"):
             procs[name].wait_ready(timeout=600)  # four servers start at once on a shared 2-core machine
         yield {**procs, "stats": stats, "sched_stats": str(logs / "sched.json"), "sched_wandb": str(logs / "wandb")}
     finally:
@@ -99,6 +106,29 @@ def test_context_many_times_the_device_budget_equals_hf(servers, tiny_nosa_check
     assert len(prompt) >= 8 * DEVICE
     model = nosa.from_pretrained(tiny_nosa_checkpoint)
     assert servers["on"].generate(prompt, 10) == tiny.hf_greedy(model, prompt, 10)
+
+
+def test_quantized_host_kv_serves_the_hf_reference_with_the_same_roundtrip(servers, tiny_nosa_checkpoint):
+    """int8 / fp8 host pools (nosa.kvquant): the replies equal the HF model attending over K and V
+    quantized and dequantized the same way while it selects from the exact keys (nosa.hf.host_kv_dtype).
+    The prompts are chunked (128 tokens), so the exact keys of chunk boundaries are exercised. Both
+    other references are told apart on these prompts: the HF model in full precision (the pool's
+    dtype changes some replies), and one that also selects from the round-tripped keys (fp8)."""
+    import torch
+
+    from nosa.hf import host_kv_dtype
+
+    model = nosa.from_pretrained(tiny_nosa_checkpoint)
+    differs = 0
+    for name, fmt in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        for length, seed in [*LONG, (700, 5)]:
+            prompt = tiny.prompt_ids(length, seed)
+            with host_kv_dtype(model, fmt):
+                want = tiny.hf_greedy(model, prompt, NEW)
+            got = servers[name].generate(prompt, NEW)
+            assert got == want, (name, length)
+            differs += got != tiny.hf_greedy(model, prompt, NEW)
+    assert differs, "no reply changed with the pool's dtype: the test cannot tell the formats apart"
 
 
 def test_counters_add_up_and_recall_stays_within_the_locality_bound(servers):

@@ -19,7 +19,7 @@ import nosa
 from nosa import nosa_prefill
 from nosa.bench.longctx.config import PICKS, budget_config
 from nosa.eviction import MODULE_NAME
-from nosa.hf import capture_attention_inputs
+from nosa.hf import capture_attention_inputs, nosa_attention_modules
 from nosa.select import blocks_entering
 from nosa.train.metrics import selection_mass
 
@@ -33,6 +33,7 @@ class Variant:
     share: int | None  # budget = 1/share of the context's blocks; None: dense attention
     base: str  # variants with one base share the dense context prefill
     picks: Fraction = PICKS  # share of the budget for free query-aware picks
+    host_dtype: torch.dtype | None = None  # NOSA_HOST_KV_DTYPE's quantized pool (nosa.hf.host_kv_dtype)
 
     def config(self, length: int):
         """This variant's NosaConfig at ``length`` tokens (None: dense)."""
@@ -45,6 +46,12 @@ class Variant:
             self.model.set_attn_implementation("sdpa")
             return None
         nosa.convert(self.model, cfg)  # keeps the model's eviction heads, sets the budget
+        for _, module in nosa_attention_modules(self.model):  # attention over K / V as the host pool returns them
+            module.__dict__.pop("_nosa_states", None)
+            if self.host_dtype is None:
+                module.__dict__.pop("_nosa_host_kv_dtype", None)
+            else:
+                module._nosa_host_kv_dtype = self.host_dtype
         return cfg  # (every run starts with a prefill of several rows, which drops old decode states)
 
 
