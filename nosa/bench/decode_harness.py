@@ -16,13 +16,15 @@ from types import SimpleNamespace
 
 import torch
 
+from nosa import kvquant
 from nosa.config import NosaConfig
 from nosa.eviction import EvictionHead
+from nosa.kvquant import QuantizedItems
 from nosa.serve.decode_runner import DecodeRunner, PoolResolver
 from nosa.serve.metadata import ForwardMetadata
 from nosa.serve.offload.block_cache import DeviceBlockCache
 from nosa.serve.offload.engine import OffloadEngine
-from nosa.serve.offload.kv import TokenRowMemo, write_token_rows
+from nosa.serve.offload.kv import TokenRowMemo, write_kv_rows
 from nosa.serve.registry import RequestRegistry
 from nosa.state_pool import StatePool, pages_for
 
@@ -44,10 +46,25 @@ class _HostPool:
     """The page-major host pool of nosa.serve.offload.host_pool.HostKVPool: K, V [P, Hkv, B, D] and
     cis [P, Hkv, B] per layer (pinned on CUDA); item ``page * Hkv + h``."""
 
-    def __init__(self, k, v, cis, page_size: int):
-        self.k_buffer, self.v_buffer, self.cis_buffer = k, v, cis
-        self.page_size, self.head_num = page_size, k[0].shape[1]
-        self._items = [tuple(t[layer].flatten(0, 1) for t in (k, v, cis)) for layer in range(len(k))]
+    def __init__(self, k, v, cis, page_size: int, kv_dtype: torch.dtype | None = None):
+        """``kv_dtype``: a quantized pool's K/V dtype (NOSA_HOST_KV_DTYPE), K and V given in the model's."""
+        self.page_size, self.head_num, self.cis_buffer = page_size, k[0].shape[1], cis
+        self.k_scale = self.v_scale = None
+        model_dtype = k[0].dtype
+        if kv_dtype is not None:  # quantized as HostKVPool.set_kv_buffer writes them: per token and head
+            pinned = k[0].is_pinned()
+            pairs = [[kvquant.quantize(t, kv_dtype) for t in ts] for ts in (k, v)]
+            pin = (lambda t: t.pin_memory()) if pinned else (lambda t: t)
+            (k, self.k_scale), (v, self.v_scale) = ([[pin(p[j]) for p in ps] for j in (0, 1)] for ps in pairs)
+        self.k_buffer, self.v_buffer = k, v
+        self._items = []
+        for layer in range(len(k)):
+            ki, vi = k[layer].flatten(0, 1), v[layer].flatten(0, 1)
+            if kv_dtype is not None:
+                ki = QuantizedItems(ki, self.k_scale[layer].flatten(0, 1), model_dtype)
+                vi = QuantizedItems(vi, self.v_scale[layer].flatten(0, 1), model_dtype)
+            self._items.append((ki, vi, cis[layer].flatten(0, 1)))
+        self.quantized = kv_dtype is not None
         self.token_rows = TokenRowMemo(page_size, self.head_num)  # as HostKVPool: once per forward
 
     def items(self, layer: int):
@@ -56,7 +73,8 @@ class _HostPool:
 
 class DecodeHarness:
     def __init__(self, cfg: NosaConfig, lengths: list[int], offload: bool = False, device="cpu", num_layers: int = 2,
-                 hq: int = 4, hkv: int = 2, head_dim: int = 16, new_tokens: int = 64, seed: int = 0):
+                 hq: int = 4, hkv: int = 2, head_dim: int = 16, new_tokens: int = 64, seed: int = 0,
+                 host_kv_dtype: torch.dtype | None = None):
         self.cfg, self.device, self.num_layers, self.offload = cfg, torch.device(device), num_layers, offload
         self.hq, self.hkv, self.d, self.seed = hq, hkv, head_dim, seed
         self.lengths = list(lengths)  # prompt lengths; each step adds one token
@@ -95,7 +113,7 @@ class DecodeHarness:
                 return x.pin_memory() if self.device.type == "cuda" else x
 
             self.pool = _HostPool([host(k) for k in prompt_k], [host(v) for v in prompt_v],
-                                  [host(c.cpu()) for c in prompt_cis], block)
+                                  [host(c.cpu()) for c in prompt_cis], block, host_kv_dtype)
             cache = DeviceBlockCache(num_layers, rows - 1, hkv, cfg.topk_blocks, block, head_dim, head_dim,
                                      torch.float32, self.device)
             runner = SimpleNamespace(token_to_kv_pool=self.pool, req_to_token_pool=SimpleNamespace(
@@ -169,6 +187,5 @@ class DecodeHarness:
             return
         k_items, v_items, cis_items = self.pool.items(layer)
         d = self.d
-        write_token_rows([k_items.view(-1, d), v_items.view(-1, d), cis_items.view(-1, 1)],
-                         [k.reshape(-1, d), v.reshape(-1, d), cis.float().reshape(-1, 1)],
-                         self.pool.token_rows(loc).flatten())
+        write_kv_rows(k_items, v_items, k.reshape(-1, d), v.reshape(-1, d), self.pool.token_rows(loc).flatten(),
+                      extra=([cis_items.view(-1, 1)], [cis.float().reshape(-1, 1)]))

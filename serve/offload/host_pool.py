@@ -24,7 +24,7 @@ from nosa import kvquant
 from nosa.checkpoint_format import nosa_layers
 from nosa.kvquant import QuantizedItems
 from nosa.serve.checkpoint import load_nosa_config, resolve_model_dir
-from nosa.serve.offload.kv import TokenRowMemo, write_token_rows
+from nosa.serve.offload.kv import TokenRowMemo, write_kv_rows, write_token_rows
 from nosa.serve.offload.settings import OffloadSettings, backend_errors, check_host_memory
 
 logger = logging.getLogger(__name__)
@@ -102,21 +102,9 @@ class HostKVPool(MHATokenToKVPool):
         if layer_id not in self.nosa_index:
             raise ValueError(f"nosa offloading: layer {layer_id} has no host KV (a sliding-window layer keeps its "
                              "window on the device, nosa.serve.window)")
-        i = self.nosa_index[layer_id]
-        k_new = cache_k.to(self.dtype).reshape(-1, self.head_dim)
-        v_new = cache_v.to(self.dtype).reshape(-1, self.v_head_dim)
-        rows = self.token_rows(loc).flatten()
-        if not self.quantized:
-            k_items, v_items, _ = self.items(i)
-            write_token_rows([k_items.view(-1, self.head_dim), v_items.view(-1, self.v_head_dim)], [k_new, v_new], rows)
-            return
-        # each token quantized once, as it is written (per-token scales: nosa.kvquant). Not checked for
-        # inf / nan (a host read a captured step cannot make): such a token reads back as nan, as it
-        # would from a pool in the model's dtype
-        (qk, sk), (qv, sv) = (kvquant.quantize(x, self.kv_dtype, check_finite=False) for x in (k_new, v_new))
-        write_token_rows([self.k_buffer[i].view(-1, self.head_dim), self.k_scale[i].view(-1, 1),
-                          self.v_buffer[i].view(-1, self.v_head_dim), self.v_scale[i].view(-1, 1)],
-                         [qk, sk[:, None], qv, sv[:, None]], rows)
+        k_items, v_items, _ = self.items(self.nosa_index[layer_id])
+        write_kv_rows(k_items, v_items, cache_k.to(self.dtype).reshape(-1, self.head_dim),
+                      cache_v.to(self.dtype).reshape(-1, self.v_head_dim), self.token_rows(loc).flatten())
 
     def set_cis(self, i: int, loc: torch.Tensor, cis: torch.Tensor) -> None:
         """Eviction scores of new tokens [T, Hkv] of NOSA layer i into their host slots."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from nosa import ops
+from nosa import kvquant, ops
 from nosa.kvquant import QuantizedItems
 from nosa.layout import NEG_INF
 from nosa.select import static_selection
@@ -145,6 +145,24 @@ def write_token_rows(dst: list[torch.Tensor], src: list[torch.Tensor], rows: tor
     # of them into pageable host memory cannot be captured (found by graph_check on the H200)
     ops.copy_items(dst, [s.contiguous() for s in src], rows.to(src[0].device),
                    torch.arange(rows.numel(), device=src[0].device))
+
+
+def write_kv_rows(k_items, v_items, k_new: torch.Tensor, v_new: torch.Tensor, rows: torch.Tensor,
+                  extra: tuple[list, list] = ([], [])) -> None:
+    """New tokens' K and V [N, D] into rows ``rows`` [N] of a host pool's items k_items, v_items
+    ([P*Hkv, B, D] tensors, or nosa.kvquant.QuantizedItems: a quantized pool, NOSA_HOST_KV_DTYPE,
+    each token quantized once here, unchecked for inf / nan: a host read a captured step cannot make,
+    and such a token reads back as nan, as it would from a pool in the model's dtype), through the
+    items' own views (a write through another view of a buffer the recall's operator touches made
+    torch.compile copy the whole buffer). ``extra``: more (dst token views, src rows) in the same call."""
+    d = k_new.shape[-1], v_new.shape[-1]
+    if not isinstance(k_items, QuantizedItems):
+        write_token_rows([k_items.view(-1, d[0]), v_items.view(-1, d[1]), *extra[0]], [k_new, v_new, *extra[1]], rows)
+        return
+    (qk, sk), (qv, sv) = (kvquant.quantize(x, items.data.dtype, check_finite=False)
+                          for x, items in ((k_new, k_items), (v_new, v_items)))
+    write_token_rows([k_items.data.view(-1, d[0]), k_items.scale.view(-1, 1), v_items.data.view(-1, d[1]),
+                      v_items.scale.view(-1, 1), *extra[0]], [qk, sk[:, None], qv, sv[:, None], *extra[1]], rows)
 
 
 def predicted_blocks(states, lengths: list[int], cfg) -> torch.Tensor:
