@@ -48,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--out", default="results/gpu_h200.json")
+    parser.add_argument("--note", default="", help="added to the provenance's note (e.g. which tree each run ran)")
     args = parser.parse_args()
     result: dict = {"runs": []}
     parts: dict[str, dict] = {}  # step -> the provenance of the part kept (a later run's replaces it)
@@ -73,7 +74,7 @@ def main() -> None:
     # the figures are the GPU machine's: its machine line, not this one's (which only joined them)
     data = json.loads(Path(args.out).read_text())
     data["provenance"]["machine"] = result["parts"][0]["machine"] if result["parts"] else None
-    data["provenance"]["note"] = "Measured by scripts/gpu_check.sh on the lent GPU; joined here."
+    data["provenance"]["note"] = f"Measured by scripts/gpu_check.sh on the lent GPU; joined here. {args.note}".strip()
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {args.out}")
 

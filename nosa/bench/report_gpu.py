@@ -28,7 +28,14 @@ def gpu_kernels(root: Path) -> str:
               _ms(r["nosa_fwd_bwd_s"]), times(r["dense_over_nosa_fwd_bwd"])] for r in k["prefill"]]
     s = k["scores"][0]
     shape = k["shape"]
-    graph = {r["offload"]: r for r in data["graph_check"]["results"]}
+    graph = data["graph_check"]["results"]
+    first = graph[0]
+
+    def mode(r):
+        if not r["offload"]:
+            return "offloading off"
+        host = r.get("host_kv_dtype", "model")
+        return "offloading on" + ("" if host == "model" else f", {host} host pool")
     lines = [
         f"Kernel tests on the GPU: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped "
         f"({tests['seconds']:.0f} s; the skips are CPU-path tests and FlashInfer, which did not travel).",
@@ -41,12 +48,12 @@ def gpu_kernels(root: Path) -> str:
         f"- The fused block-score kernel ({s['rows']} rows at {s['context'] // 1024}K) took "
         f"{s['fused_s'] * 1000:.0f} ms against {s['torch_s'] * 1000:.1f} ms for nosa.select's torch code "
         f"({times(s['torch_over_fused'], 3)}): no serving or training path calls it (they call the torch code).",
-        f"- The serving decode step captured in a CUDA graph (scripts/graph_check.py, {graph[False]['batch']} "
-        f"requests of {min(graph[False]['prompts'])}-{max(graph[False]['prompts'])} tokens, 2 layers): replay "
-        f"{graph[False]['replay_ms']} ms vs eager {graph[False]['eager_ms']} ms with offloading off, "
-        f"{graph[True]['replay_ms']} vs {graph[True]['eager_ms']} ms with offloading on (block cache, recall "
-        f"from pinned host memory); outputs equal to eager (largest difference "
-        f"{max(graph[False]['max_abs_diff'], graph[True]['max_abs_diff']):g}), selections equal.",
+        f"- The serving decode step captured in a CUDA graph (scripts/graph_check.py, {first['batch']} requests of "
+        f"{min(first['prompts'])}-{max(first['prompts'])} tokens, 2 layers, {first['steps']} steps), replay vs "
+        "eager ms: " + "; ".join(f"{mode(r)} {r['replay_ms']} vs {r['eager_ms']}" if r.get("ok") else
+                                 f"{mode(r)} FAILED ({r.get('error', 'outputs differ')})" for r in graph)
+        + f". Outputs equal to eager (largest difference {max(r.get('max_abs_diff', 0) for r in graph):g}), "
+        f"selections equal: {all(r.get('selections_equal') for r in graph)}.",
     ]
     del shape
     return "\n".join(lines)
