@@ -54,7 +54,7 @@ def share_text(s: dict) -> str:
 # ---- the headline (README and the results page) -------------------------------------------------
 @renders("results/accuracy.json", "results/longctx.json", "results/ruler.json", "results/ruler_ft.json",
          "results/serve_ask_smollm2.json", "results/offload.json", "results/serve_smollm2_8k_rank_short.json",
-         "results/serve.json", "results/gemma3_serve.json")
+         "results/serve.json", "results/gemma3_serve.json", "results/gpu_h200.json")
 def headline(root: Path) -> str:
     acc = {(r["variant"], r["length"]): r for r in load(root, "results/accuracy.json")["results"]}
     tiny = [acc[(v, 512)] for v in ("dense", "training_free", "nosa_finetuned")]
@@ -119,8 +119,23 @@ def headline(root: Path) -> str:
          f"{gemma['nosa_offload']['device_kv_bytes_per_request'] / 1e6:.1f}; "
          f"{gemma['capacity']['nosa_offload_requests']}; {times(gemma['decode_speed_nosa_over_native'])}",
          "`results/gemma3_serve.json`"],
+        gpu_row(load(root, "results/gpu_h200.json")),
     ]
     return table(["what", "measured", "data"], rows)
+
+
+def gpu_row(gpu: dict) -> list[str]:
+    """The headline's H200 row: sparse decode over FlashAttention decode, and the recall from bf16 vs
+    quantized host pools."""
+    slots = {r["context"]: r for r in gpu["bench_kernels"]["decode_slots"]}
+    big = max(r["items"] for r in gpu["bench_recall"]["host_dtypes"])
+    q = next(r for r in gpu["bench_recall"]["host_dtypes"] if r["items"] == big)
+    return ["H200 (Llama-3-8B heads, bf16): Triton slot decode over FlashAttention decode at "
+            + " / ".join(f"{c // 1024}K" for c in sorted(slots)) + f"; recall of {big} blocks from an int8 / fp8 "
+            "host pool: bytes and speed-up vs bf16",
+            " / ".join(times(slots[c]["dense_over_nosa"]) for c in sorted(slots))
+            + f"; {pct(q['int8_bytes_over_bf16'], 0)} of the bytes, {times(q['int8_speedup_over_bf16'])} / "
+            f"{times(q['float8_e4m3fn_speedup_over_bf16'])}", "`results/gpu_h200.json`"]
 
 
 # ---- the tiny model -------------------------------------------------------------------------------
