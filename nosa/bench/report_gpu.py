@@ -82,3 +82,14 @@ def gpu_recall(root: Path) -> str:
         table(["items", "bf16 ms", "int8 ms", "fp8 ms", "bytes vs bf16", "int8 speed-up", "fp8 speed-up",
                "equal to the spec"], q),
     ])
+
+
+@renders(GPU)
+def plan_calibration(root: Path) -> str:
+    """nosa.plan's formulas against the H200's measurements."""
+    from nosa.plan import against_gpu  # cycle: none; nosa.plan imports torch, which this module does not need
+
+    rows = [[r["what"], f"{r['predicted_s'] * 1e3:.3f}", f"{r['measured_s'] * 1e3:.3f}",
+             f"{r['predicted_over_measured']:.2f}"] for r in against_gpu(load(root, GPU))]
+    return table(["one decode layer / one recall call", "predicted ms (data sheet roofline)", "measured ms",
+                  "predicted / measured"], rows)

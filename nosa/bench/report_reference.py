@@ -8,6 +8,7 @@ module) are listed with dotted names (``optim.lr``). The variables come from ``n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import io
@@ -19,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from nosa import env, kvquant
+from nosa import env, kvquant, plan
 from nosa.bench.report_tables import table
 from nosa.config import NosaConfig
 from nosa.train.config import TrainConfig
@@ -176,3 +177,19 @@ def host_kv_bytes(root: Path) -> str:
         fits.append(f"{name} {memory // per_request} ({per_request / 2**20:.0f} MiB each)")
     return (bytes_table + "\n\nSmolLM2-135M requests of 8K tokens that 16 GiB of host pool holds, computed from the "
             "pool's allocation: " + ", ".join(fits) + ".")
+
+
+@renders
+def plan_example(root: Path) -> str:
+    """``python -m nosa.plan`` on the issue's example: under the locality bound with the data sheets,
+    then on an H200 at a measured hit rate, calibrated with results/gpu_h200.json."""
+    common = ["--model", "llama-3.1-8b", "--context", "131072", "--link", "pcie5", "--batch", "16"]
+    runs = [common + ["--gpu", "h100"],
+            common + ["--gpu", "h200", "--hit-rate", "0.97", "--calibration", "results/gpu_h200.json"]]
+    out = []
+    for argv in runs:
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            plan.main([str(root / a) if a.startswith("results/") else a for a in argv])
+        out.append(f"```\n$ python -m nosa.plan {' '.join(argv)}\n{buffer.getvalue().rstrip()}\n```")
+    return "\n\n".join(out)

@@ -156,3 +156,34 @@ def train_runs(root: Path) -> str:
     return (table(header, rows) + f"\n\nStart -> end: means of the first and last logged values (up to 10 steps; "
             f"the rows alternate between tasks and prose, so single steps jump). {m['cpu']}, {m['cores']} cores.")
 
+
+
+RULER_HOST_KV = "results/ruler_host_kv.json"
+HOST_KV_TASKS = ("cwe", "fwe")  # the extraction-heavy tasks lossy KV paths are known to hurt (issue 35)
+
+
+@renders(RULER_HOST_KV)
+def ruler_host_kv(root: Path) -> str:
+    """NOSA (A = 0) at 1/4 with the host pool in the model's dtype, int8 and fp8 (nosa.hf.host_kv_dtype,
+    what a server with NOSA_HOST_KV_DTYPE computes): scores, the paired difference to the model's
+    dtype, and cwe / fwe apart."""
+    data = load(root, RULER_HOST_KV)
+    names, get = _get(data)
+    base = next(v for v in names if v.startswith("A = 0") and "host KV" not in v)
+    pairs = {(p["variant"], p["length"]): p for p in data["paired"] if p["vs"] == base}
+    rows = []
+    for n in data["lengths"]:
+        for v in [v for v in names if (v, n) in get and v != "dense"]:
+            r, p = get[(v, n)], pairs.get((v, n))
+            tasks = {t: s for t, s in (r["tasks"].items() if isinstance(r["tasks"], dict) else r["tasks"])}
+            extract = " / ".join(f"{100 * tasks[t]['acc']:.1f}" for t in HOST_KV_TASKS if t in tasks)
+            paired = (f"{p['points']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}]; {p['better']} / {p['worse']}"
+                      if p else "(the reference)")
+            rows.append([n, v, f"{100 * r['task_mean']:.1f}", paired, extract, pct(r["hit_rate"])])
+    header = ["context", "variant", "RULER score, mean of the tasks", f"vs {base}, points [paired 95%]; "
+              "examples better / worse", " / ".join(HOST_KV_TASKS), "hit rate, cache = budget"]
+    dense = " / ".join(f"{n}: {100 * get[('dense', n)]['task_mean']:.1f}" for n in data["lengths"]
+                       if ("dense", n) in get)
+    return (table(header, rows) + f"\n\n{_counts(data)}. Dense attention on the same examples: {dense}. "
+            "The context prefill is dense and exact (`--prefill dense`); every decode step attends over the "
+            "whole context's K and V as the host pool gives them back.")

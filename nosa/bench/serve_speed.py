@@ -43,7 +43,10 @@ VARIANTS = {
     "nosa+offload": "the nosa backend with offloading on (NOSA_OFFLOAD=1, page size = block size)",
     "nosa+offload+sched": "offloading on with the recall scheduler (NOSA_RECALL_SCHEDULER=1)",
     "nosa+offload+compile": "offloading on, under the CPU graph runner",
+    "nosa+offload+sched+int8": "offloading on with the recall scheduler, an int8 host pool (NOSA_HOST_KV_DTYPE)",
+    "nosa+offload+sched+fp8": "offloading on with the recall scheduler, a float8_e4m3fn host pool",
 }
+HOST_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn"}  # variant suffix -> NOSA_HOST_KV_DTYPE
 
 
 def server_setup(variant: str, flags: list[str], cfg, batch: int, host_tokens: int, threads: int | None,
@@ -64,6 +67,9 @@ def server_setup(variant: str, flags: list[str], cfg, batch: int, host_tokens: i
             env["NOSA_SERVE_STATS_FILE"] = stats_file
     if "sched" in variant:
         env["NOSA_RECALL_SCHEDULER"] = "1"
+    suffix = variant.rsplit("+", 1)[-1]
+    if suffix in HOST_DTYPES:
+        env["NOSA_HOST_KV_DTYPE"] = HOST_DTYPES[suffix]
     if "compile" in variant:
         server_args += ["--enable-torch-compile", "--cuda-graph-bs-decode", str(batch)]
         import sgl_kernel  # optional: sgl_kernel (SGLang's, or the CPU stand-in)
@@ -83,7 +89,10 @@ def ratios(results: list[dict], contexts: list[int], tp_sizes: list[int]) -> dic
     pairs = {"torch_native_over_nosa": ("torch_native", "nosa"), "nosa_over_nosa_compile": ("nosa", "nosa+compile"),
              "offload_over_nosa": ("nosa+offload", "nosa"), "offload_sched_over_nosa": ("nosa+offload+sched", "nosa"),
              "offload_over_offload_compile": ("nosa+offload", "nosa+offload+compile"),
-             "offload_compile_over_nosa_compile": ("nosa+offload+compile", "nosa+compile")}
+             "offload_compile_over_nosa_compile": ("nosa+offload+compile", "nosa+compile"),
+             "offload_sched_int8_over_nosa": ("nosa+offload+sched+int8", "nosa"),
+             "offload_sched_fp8_over_nosa": ("nosa+offload+sched+fp8", "nosa"),
+             "offload_sched_int8_over_offload_sched": ("nosa+offload+sched+int8", "nosa+offload+sched")}
     for context in contexts:
         by = {r["backend"]: r["ms_per_decode_step"] for r in first if r["context"] == context}
         out[str(context)] = {name: round(by[a] / by[b], 3) for name, (a, b) in pairs.items() if a in by and b in by}
