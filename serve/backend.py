@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from nosa.attention.prefill import prefill_attention
 from nosa.checkpoint_format import nosa_layers
 from nosa.decode import NosaDecodeState
+from nosa.serve import metrics
 from nosa.serve.checkpoint import (
     load_eviction_heads,
     load_nosa_config,
@@ -97,6 +98,9 @@ class NosaAttnBackend(AttentionBackend):
             self.offload = OffloadEngine.start(model_runner, self.config, self.num_layers, self.num_kv_heads,
                                                self.head_dim)
             self.states.attach_offload(self.offload)
+            self.states.metrics = self.offload.metrics = metrics.start(model_runner, self.num_layers)
+            allocator = model_runner.token_to_kv_pool_allocator
+            self.states.host_tokens_in_use = lambda: allocator.size - allocator.available_size()
             kv, spare_group = self.offload, self.offload.cache.spare_group
         else:  # cis per pool slot, beside SGLang's K and V
             rows = self.token_to_kv_pool.get_key_buffer(0).shape[0]

@@ -128,7 +128,7 @@ def rank_path(path: str | None) -> str | None:
     with both. Unchanged with one rank (or outside an SGLang scheduler)."""
     if not path:
         return path
-    tp_rank, tp_size, dp_rank = _process_ranks()
+    tp_rank, tp_size, dp_rank = process_ranks()
     parts = ([f"dp{dp_rank}"] if dp_rank is not None else []) + ([f"tp{tp_rank}"] if tp_size > 1 else [])
     if not parts:
         return path
@@ -136,7 +136,7 @@ def rank_path(path: str | None) -> str | None:
     return f"{stem}.{'.'.join(parts)}{ext}"
 
 
-def _process_ranks() -> tuple[int, int, int | None]:
+def process_ranks() -> tuple[int, int, int | None]:
     """(tp_rank, tp_size, dp_rank or None) of this SGLang process; (0, 1, None) outside one."""
     if "sglang.srt.runtime_context" not in sys.modules:  # not an SGLang process: nothing to read
         return 0, 1, None

@@ -41,6 +41,8 @@ class RequestRegistry:
         self.freed_total = 0
         self.offload = None  # the offloading engine, if any: release(row), counters()
         self._stats_written = 0.0  # time.monotonic() of write_stats' last write
+        self.metrics = None  # nosa.serve.metrics.NosaMetrics with SGLang's --enable-metrics
+        self.host_tokens_in_use = None  # () -> host pool tokens allocated (offloading), for the metrics
 
     def attach_offload(self, engine) -> None:
         """The offloading engine whose slots a released row frees and whose counters ``counts`` adds.
@@ -131,10 +133,15 @@ class RequestRegistry:
             self._write_stats()
 
     def _write_stats(self) -> None:
+        if not self._stats_file and self.metrics is None:
+            return
+        counts = self.counts(timeline=False)
+        if self.metrics is not None:  # the same counts, at the same moments: a scrape agrees with the file
+            self.metrics.update(counts, self.host_tokens_in_use() if self.host_tokens_in_use else None)
         if not self._stats_file:
             return
         tmp = f"{self._stats_file}.{os.getpid()}.tmp"
-        text = json.dumps(self.counts(timeline=False))
+        text = json.dumps(counts)
         if self.offload is not None:  # the step timeline, its records encoded once each when logged
             text = f'{text[:-1]}, "timeline": {self.offload.stats.snapshot_json()}}}'
         with open(tmp, "w") as f:

@@ -44,6 +44,8 @@ class OffloadEngine:
         self._blocks: dict[int, int] = {}  # group -> context blocks of the running decode step (admission)
         self.peak_slots = 0  # the most resident block items (layers x KV heads x slots) after a decode step
         self._step_open = False  # a decode step began and has no record yet
+        self.metrics = None  # nosa.serve.metrics.NosaMetrics: per-request hit rates when a request leaves
+        self._life: dict[int, list[int]] = {}  # group -> [blocks selected, recalled on demand] (with metrics)
 
     @classmethod
     def start(cls, model_runner, cfg, num_layers: int, num_kv_heads: int, head_dim: int) -> "OffloadEngine":
@@ -141,6 +143,13 @@ class OffloadEngine:
         the spare slot columns for the next step."""
         self._step_open = False
         record = self.stats.end()
+        if self.metrics is not None:  # each request's selected and recalled blocks, for its hit rate
+            misses = self.cache.group_misses.tolist()
+            per_block = self.num_layers * self.cache.hkv
+            for g, blocks in self._blocks.items():
+                life = self._life.setdefault(g, [0, 0])
+                life[0] += per_block * min(self.cfg.topk_blocks, blocks)
+                life[1] += misses[g]
         self.peak_slots = max(self.peak_slots, record.resident_slots)
         if self.admission is not None:
             self._feed_admission(record)
@@ -161,6 +170,9 @@ class OffloadEngine:
     def release(self, row: int) -> None:
         """The request of ``row`` left: its device slots are free and admission forgets it."""
         self.cache.release(row)
+        life = self._life.pop(row - 1, None)  # request row r owns group r - 1
+        if self.metrics is not None and life:
+            self.metrics.request_done(life[0], life[0] - life[1])
         if self.admission is not None:
             self.admission.forget(row - 1)  # request row r owns group r - 1 (nosa.serve.offload.block_cache)
 

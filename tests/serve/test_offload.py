@@ -6,7 +6,8 @@ checkpoint with non-zero eviction heads on every KV head.
 - ``off``: the session's ``nosa_server`` (tests/serve/conftest.py): the same checkpoint, the same
   chunked prefill and context length, offloading off (the KV in SGLang's pool);
 - ``sched``: ``on`` plus the recall scheduler (chunks of 4 items, so prefetches get preempted),
-  admission (each request owns 8 slots, borrows up to 2 more) and W&B offline logging;
+  admission (each request owns 8 slots, borrows up to 2 more), W&B offline logging and SGLang's
+  Prometheus metrics (--enable-metrics);
 - ``int8``: ``on`` with an int8 host pool ($NOSA_HOST_KV_DTYPE); ``fp8``: ``sched``'s recall
   scheduler and admission with a float8_e4m3fn host pool (no W&B).
 Counters come from the file the backend writes when $NOSA_SERVE_STATS_FILE is set.
@@ -51,7 +52,8 @@ def servers(tiny_nosa_checkpoint, tmp_path_factory, nosa_server):
         "on": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "on.log"),
                             env={**OFFLOAD_ENV, "NOSA_SERVE_STATS_FILE": stats}),
         "bad": ServerProcess(ckpt, [*COMMON, "--page-size", "1"], str(logs / "bad.log"), env=OFFLOAD_ENV),
-        "sched": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "sched.log"),
+        "sched": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size), "--enable-metrics"],
+                               str(logs / "sched.log"),
                                env={**OFFLOAD_ENV, **SCHED_ENV, "NOSA_SERVE_STATS_FILE": str(logs / "sched.json"),
                                     "NOSA_SERVE_WANDB_DIR": str(logs / "wandb")}),
         "int8": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "int8.log"),
@@ -129,6 +131,49 @@ def test_quantized_host_kv_serves_the_hf_reference_with_the_same_roundtrip(serve
             assert got == want, (name, length)
             differs += got != tiny.hf_greedy(model, prompt, NEW)
     assert differs, "no reply changed with the pool's dtype: the test cannot tell the formats apart"
+
+
+def _scrape(server) -> dict[str, float]:
+    """/metrics of a server: each series' value summed over its label sets (histogram parts apart)."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name_labels, value = line.rsplit(" ", 1)
+            name = name_labels.split("{", 1)[0]
+            if "decision=" in name_labels:
+                name += "{" + name_labels.split("decision=", 1)[1].split('"')[1] + "}"
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def test_prometheus_metrics_equal_the_stats_file(servers):
+    """With --enable-metrics, /metrics has nosa's series from the scheduler process, equal to the
+    counts of $NOSA_SERVE_STATS_FILE once the server is idle; one hit-rate observation per request."""
+    for n, seed in ((260, 41), (500, 42)):
+        servers["sched"].generate(tiny.prompt_ids(n, seed), 20)
+    counts = _stats(servers, key="sched_stats")
+    assert counts["requests"] == 0
+    got = _scrape(servers["sched"])
+    layers = len(counts["offload"]["hits"])
+    for series, key in (("nosa:block_cache_hits_total", "hits"), ("nosa:block_cache_misses_total", "misses"),
+                        ("nosa:selected_blocks_total", "selected"), ("nosa:recalled_bytes_total", "recalled_bytes"),
+                        ("nosa:prefetched_blocks_total", "prefetched"), ("nosa:prefetch_hits_total", "prefetch_hits")):
+        assert got.get(series, 0.0) == pytest.approx(sum(counts["offload"][key])), series
+    assert got["nosa:decode_steps_total"] == pytest.approx(sum(counts["offload"]["steps"]) / layers)
+    assert got["nosa:selected_blocks_total"] > 0 and got["nosa:block_cache_hits_total"] > 0
+    assert got["nosa:scheduler_demand_blocks_total"] == pytest.approx(sum(counts["scheduler"]["demand_items"]))
+    assert got["nosa:device_slots_in_use"] == counts["device_slots_in_use"] == 0
+    assert got["nosa:requests"] == 0
+    for decision, n in counts["admission"]["decisions"].items():
+        if decision in ("admit", "wait", "grant", "revoke") and n:
+            assert got[f"nosa:admission_decisions_total{{{decision}}}"] == n
+    assert got["nosa:request_hit_rate_count"] >= 2  # at least the two requests above
+    assert got["nosa:request_hit_rate_sum"] <= got["nosa:request_hit_rate_count"]
+    assert "sglang:num_running_reqs" in got  # SGLang's own series beside them
 
 
 def test_counters_add_up_and_recall_stays_within_the_locality_bound(servers):

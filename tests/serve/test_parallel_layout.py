@@ -174,7 +174,7 @@ def test_rank_path(monkeypatch):
 
     cases = {(0, 1, None): "s.json", (1, 2, None): "s.tp1.json", (0, 1, 1): "s.dp1.json", (1, 2, 0): "s.dp0.tp1.json"}
     for ranks, want in cases.items():
-        monkeypatch.setattr(parallel, "_process_ranks", lambda ranks=ranks: ranks)
+        monkeypatch.setattr(parallel, "process_ranks", lambda ranks=ranks: ranks)
         assert rank_path("/x/s.json") == "/x/" + want
     assert rank_path(None) is None
 
