@@ -91,3 +91,25 @@ def test_calibration_from_the_h200_run():
     cal = calibration(GPU_RESULTS)
     assert 0.7 < cal["link_bytes_per_s"] / LINKS["pcie5"].bytes_per_s <= 1.0
     assert 0 < cal["attention_efficiency"]["nosa"] <= 1.0
+
+
+def test_hit_rate_from_a_serve_stats_file(tmp_path, capsys):
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"requests": 0, "offload": {"selected": [100, 100], "hits": [90, 90],
+                                                             "warm_selected": [80, 80], "warm_hits": [78, 78]}}))
+    main(["--model", "llama-3.1-8b", "--context", "65536", "--stats", str(stats), "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["blocks_entering_per_head"] == pytest.approx((1 - 78 / 80) * data["nosa_config"]["topk_blocks"])
+    stats.write_text(json.dumps({"requests": 0}))
+    with pytest.raises(SystemExit):
+        main(["--model", "llama-3.1-8b", "--context", "65536", "--stats", str(stats)])
+
+
+def test_published_points_are_modelled_with_their_assumptions_named():
+    from nosa.plan import published_points
+
+    rows = published_points()
+    assert len(rows) >= 3
+    for r in rows:
+        assert r["assumed"] and r["setup"] and 0 < r["predicted_ratio"] < 100
+        assert all(b >= 1 for b in r["batches"].values())

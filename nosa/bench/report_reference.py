@@ -193,3 +193,18 @@ def plan_example(root: Path) -> str:
             plan.main([str(root / a) if a.startswith("results/") else a for a in argv])
         out.append(f"```\n$ python -m nosa.plan {' '.join(argv)}\n{buffer.getvalue().rstrip()}\n```")
     return "\n\n".join(out)
+
+
+@renders
+def plan_published(root: Path) -> str:
+    """nosa.plan's predictions beside the published figures it is checked against."""
+    rows = [[r["system"], r["figure"], r["setup"],
+             " / ".join(f"{m} {r['batches'][m]}" for m in r["batches"]),
+             " / ".join(f"{v:,.0f}" for v in r["predicted_tokens_per_s"].values()),
+             f"{r['published_ratio']:.2f}x", f"{r['predicted_ratio']:.2f}x", r["assumed"]]
+            for r in plan.published_points()]
+    lines = [table(["system", "published", "setup modelled", "largest batch", "predicted tokens/s",
+                    "published ratio", "predicted ratio", "assumed"], rows), "",
+             "Not reproduced:"]
+    lines += [f"- {what}: {why}." for what, why in plan.NOT_REPRODUCED]
+    return "\n".join(lines)
