@@ -175,10 +175,11 @@ def copy_items_plan(dst, src, dst_idx, src_idx):
     return grid, args, constexprs
 
 
-def copy_items_triton(dst, src, dst_idx, src_idx) -> None:
-    """One launch per MAX_PAIRS pairs. CUDA tensors (src or dst may be pinned host memory), or CPU
-    tensors under TRITON_INTERPRET=1."""
-    _check(dst, src, dst_idx, src_idx)
+def launch_indices(dst, src, dst_idx, src_idx):
+    """(dst_idx, src_idx) as a Triton launch reads them: on the GPU when any tensor is (pinned host
+    tensors allowed, pageable ones refused: the kernel reads host memory through UVA), contiguous,
+    bounds-checked with NOSA_DEBUG_CHECKS; None when there is nothing to copy. ``src`` items may be
+    nosa.kvquant.QuantizedItems."""
     cuda = next((t.device for t in (*dst, *src) if t.is_cuda), None)
     if cuda is not None:
         for i, (d, s) in enumerate(zip(dst, src)):
@@ -190,9 +191,20 @@ def copy_items_triton(dst, src, dst_idx, src_idx) -> None:
         dst_idx, src_idx = dst_idx.to(cuda, non_blocking=True), src_idx.to(cuda, non_blocking=True)
     dst_idx, src_idx = dst_idx.contiguous(), src_idx.contiguous()
     if src_idx.numel() == 0:
-        return
+        return None
     if debug_checks():
-        check_bounds(dst, src, dst_idx, src_idx)
+        check_bounds(dst, [getattr(s, "data", s) for s in src], dst_idx, src_idx)
+    return dst_idx, src_idx
+
+
+def copy_items_triton(dst, src, dst_idx, src_idx) -> None:
+    """One launch per MAX_PAIRS pairs. CUDA tensors (src or dst may be pinned host memory), or CPU
+    tensors under TRITON_INTERPRET=1."""
+    _check(dst, src, dst_idx, src_idx)
+    indices = launch_indices(dst, src, dst_idx, src_idx)
+    if indices is None:
+        return
+    dst_idx, src_idx = indices
     for lo in range(0, len(dst), MAX_PAIRS):
         grid, args, constexprs = copy_items_plan(dst[lo : lo + MAX_PAIRS], src[lo : lo + MAX_PAIRS], dst_idx, src_idx)
         kernels()["copy"][grid](*args, **constexprs, num_warps=4)
@@ -311,19 +323,10 @@ def copy_items_dequant_triton(dst, src, dst_idx, src_idx) -> None:
     """The recall of a quantized pool in one launch per MAX_PAIRS pairs (CUDA: the host pool's data
     and scales pinned; or CPU tensors under TRITON_INTERPRET=1)."""
     check_dequant(dst, src, dst_idx, src_idx)
-    cuda = next((t.device for t in dst if t.is_cuda), None) or next((s.device for s in src if s.is_cuda), None)
-    if cuda is not None:
-        for i, (d, s) in enumerate(zip(dst, src)):
-            for name, t in (("dst", d), ("src", s)):
-                if not t.is_cuda and not t.is_pinned():
-                    raise ValueError(f"copy_items: pair {i}: {name} is pageable host memory; the kernel reads "
-                                     "host memory through UVA, which needs pinned (or cudaHostRegister-ed) memory")
-        dst_idx, src_idx = dst_idx.to(cuda, non_blocking=True), src_idx.to(cuda, non_blocking=True)
-    dst_idx, src_idx = dst_idx.contiguous(), src_idx.contiguous()
-    if src_idx.numel() == 0:
+    indices = launch_indices(dst, src, dst_idx, src_idx)
+    if indices is None:
         return
-    if debug_checks():
-        check_bounds(dst, [getattr(s, "data", s) for s in src], dst_idx, src_idx)
+    dst_idx, src_idx = indices
     for lo in range(0, len(dst), MAX_PAIRS):
         grid, args, consts = copy_items_dequant_plan(dst[lo : lo + MAX_PAIRS], src[lo : lo + MAX_PAIRS], dst_idx,
                                                      src_idx)
