@@ -40,11 +40,13 @@ import argparse
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from nosa import kvquant
+from nosa.bench.results import write_result
 from nosa.config import NosaConfig
 
 
@@ -239,6 +241,44 @@ def published_points() -> list[dict]:
     return rows
 
 
+TINY = ModelShape("tiny llama (bench_serve's)", 2, 8, 2, 32, 2 * 12 * 256 * 256 + 2 * 320 * 256)
+
+
+def memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 7) -> float:
+    """This machine's memory bandwidth as torch's copy of ``nbytes`` reaches it (read + write), bytes/s."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
+def against_cpu(serve: dict, bytes_per_s: float, model: ModelShape = TINY) -> list[dict]:
+    """The planner's KV-read term against bench_serve's CPU runs (results/serve.json: the tiny model,
+    batch B, contexts 4K-64K, torch_native and nosa): each backend's step at its shortest context is
+    taken as measured (a CPU step is mostly fixed overheads the roofline does not model), and the
+    growth to the longer contexts is predicted from the bytes the attention reads at ``bytes_per_s``."""
+    cfg = NosaConfig(**serve["nosa_config"])
+    cpu = Gpu("this CPU", 24e9, bytes_per_s, 1e12)
+    rows = []
+    for backend, mode in (("torch_native", "dense"), ("nosa", "nosa")):
+        runs = sorted((r["context"], r["ms_per_decode_step"] / 1e3, r["batch"]) for r in serve["results"]
+                      if r["backend"] == backend)
+        if not runs:
+            continue
+        base_context, base_s, batch = runs[0]
+        base = plan(model, base_context, batch, cpu, LINKS["pcie5"], cfg, dtype_bytes=4)["step_s"][mode]
+        for context, measured, batch in runs[1:]:
+            grown = plan(model, context, batch, cpu, LINKS["pcie5"], cfg, dtype_bytes=4)["step_s"][mode] - base
+            predicted = base_s + grown
+            rows.append({"backend": backend, "context": context, "batch": batch, "predicted_s": predicted,
+                         "measured_s": measured, "error": predicted / measured - 1})
+    return rows
+
+
 SHARES = (2, 4, 8, 16, 32, 64)
 
 
@@ -328,8 +368,8 @@ def table(p: dict, by_share: dict[int, bool]) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m nosa.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help=f"a preset ({', '.join(MODELS)}) or an HF config.json path")
-    ap.add_argument("--context", type=int, required=True, help="prompt tokens per request")
+    ap.add_argument("--model", help=f"a preset ({', '.join(MODELS)}) or an HF config.json path")
+    ap.add_argument("--context", type=int, help="prompt tokens per request")
     ap.add_argument("--output", type=int, default=0, help="reply tokens per request (the KV at the end)")
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     ap.add_argument("--gpu", default="h100", choices=sorted(GPUS))
@@ -345,7 +385,24 @@ def main(argv=None) -> None:
     ap.add_argument("--stats", help="a NOSA_SERVE_STATS_FILE to read the hit rate from")
     ap.add_argument("--calibration", help="scripts/gpu_check.sh's joined results (e.g. results/gpu_h200.json)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    ap.add_argument("--calibrate-cpu", metavar="SERVE_JSON",
+                    help="instead of a plan: measure this machine's memory bandwidth and compare the planner with "
+                         "bench_serve's CPU runs in SERVE_JSON (results/serve.json), written to --out")
+    ap.add_argument("--out", default="results/plan_cpu.json", help="where --calibrate-cpu writes")
     args = ap.parse_args(argv)
+    if args.calibrate_cpu:
+        with open(args.calibrate_cpu) as f:
+            serve = json.load(f)
+        bandwidth = memory_bandwidth()
+        rows = against_cpu(serve, bandwidth)
+        write_result(args.out, {"memory_bytes_per_s": bandwidth, "threads": torch.get_num_threads(),
+                                "serve_json": args.calibrate_cpu, "rows": rows})
+        for r in rows:
+            print(json.dumps(r))
+        print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s; wrote {args.out}")
+        return
+    if not args.model or not args.context:
+        ap.error("--model and --context are required (or --calibrate-cpu)")
     if args.model in MODELS:
         model = MODELS[args.model]
     elif os.path.isfile(args.model):

@@ -113,3 +113,18 @@ def test_published_points_are_modelled_with_their_assumptions_named():
     for r in rows:
         assert r["assumed"] and r["setup"] and 0 < r["predicted_ratio"] < 100
         assert all(b >= 1 for b in r["batches"].values())
+
+
+def test_against_cpu_predicts_the_growth_from_the_shortest_context():
+    from nosa.plan import against_cpu
+
+    cfg = NosaConfig(block_size=64, compress_kernel=32, compress_stride=16, sink_blocks=1, window_blocks=16,
+                     topk_blocks=64, query_blocks=16, dense_len=4096)
+    results = [{"backend": b, "context": c, "batch": 4, "ms_per_decode_step": 10.0} for b in ("torch_native", "nosa")
+               for c in (4096, 65536)]
+    rows = against_cpu({"nosa_config": cfg.to_dict(), "results": results}, 10e9)
+    dense = next(r for r in rows if r["backend"] == "torch_native")
+    sparse = next(r for r in rows if r["backend"] == "nosa")
+    # 60K more tokens x 4 requests x 1 KiB (2 layers, 2 KV heads of 32, fp32 K and V) at 10 GB/s
+    assert dense["predicted_s"] - 0.010 == pytest.approx(61440 * 4 * 1024 / 10e9, rel=1e-6)
+    assert sparse["predicted_s"] - 0.010 < (dense["predicted_s"] - 0.010) / 10

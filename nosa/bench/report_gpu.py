@@ -93,3 +93,17 @@ def plan_calibration(root: Path) -> str:
              f"{r['predicted_over_measured']:.2f}"] for r in against_gpu(load(root, GPU))]
     return table(["one decode layer / one recall call", "predicted ms (data sheet roofline)", "measured ms",
                   "predicted / measured"], rows)
+
+
+PLAN_CPU = "results/plan_cpu.json"
+
+
+@renders(PLAN_CPU)
+def plan_cpu(root: Path) -> str:
+    """nosa.plan's KV-read term against bench_serve's CPU runs (python -m nosa.plan --calibrate-cpu)."""
+    data = load(root, PLAN_CPU)
+    rows = [[r["backend"], f"{r['context'] // 1024}K, batch {r['batch']}", f"{r['predicted_s'] * 1e3:.1f}",
+             f"{r['measured_s'] * 1e3:.1f}", f"{100 * r['error']:+.0f}%"] for r in data["rows"]]
+    return (table(["backend", "context", "predicted ms per decode step", "measured ms", "error"], rows)
+            + f"\n\nMemory bandwidth measured here: {data['memory_bytes_per_s'] / 1e9:.1f} GB/s (torch copy, read + "
+            f"write, {data['threads']} threads); the measured runs: `{data['serve_json']}`.")
