@@ -13,6 +13,10 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
+import torch
+
+from nosa import kvquant
+
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Path], str]]] = {}
 
 
@@ -54,7 +58,7 @@ def share_text(s: dict) -> str:
 # ---- the headline (README and the results page) -------------------------------------------------
 @renders("results/accuracy.json", "results/longctx.json", "results/ruler.json", "results/ruler_ft.json",
          "results/serve_ask_smollm2.json", "results/offload.json", "results/serve_smollm2_8k_rank_short.json",
-         "results/serve.json", "results/gemma3_serve.json", "results/gpu_h200.json")
+         "results/serve.json", "results/gemma3_serve.json", "results/gpu_h200.json", "results/ruler_host_kv.json")
 def headline(root: Path) -> str:
     acc = {(r["variant"], r["length"]): r for r in load(root, "results/accuracy.json")["results"]}
     tiny = [acc[(v, 512)] for v in ("dense", "training_free", "nosa_finetuned")]
@@ -120,8 +124,20 @@ def headline(root: Path) -> str:
          f"{gemma['capacity']['nosa_offload_requests']}; {times(gemma['decode_speed_nosa_over_native'])}",
          "`results/gemma3_serve.json`"],
         gpu_row(load(root, "results/gpu_h200.json")),
+        host_kv_row(load(root, "results/ruler_host_kv.json")),
     ]
     return table(["what", "measured", "data"], rows)
+
+
+def host_kv_row(data: dict) -> list[str]:
+    """The headline's quantized host KV row: RULER with the pool in the model's dtype, int8, fp8."""
+    n = data["lengths"][0]
+    score = {r["variant"]: r["task_mean"] for r in data["results"] if r["length"] == n}
+    names = [v for v in score if v.startswith("A = 0")]
+    ratio = kvquant.bytes_per_token(64, 64, torch.int8) / kvquant.bytes_per_token(64, 64, torch.bfloat16)
+    return [f"SmolLM2 on RULER at {n // 1024}K, A = 0 at 1/4, the host KV pool in the model's dtype / int8 / fp8 "
+            "(NOSA_HOST_KV_DTYPE): score; host bytes per token against a bf16 pool's",
+            " / ".join(f"{100 * score[v]:.1f}" for v in names) + f"; {ratio:.2f}x", "`results/ruler_host_kv.json`"]
 
 
 def gpu_row(gpu: dict) -> list[str]:
@@ -561,3 +577,31 @@ def suite(root: Path) -> str:
     rows = [[f"`{t['test']}`", f"{t['seconds']:.0f} s"] for t in data["slowest"]]
     return head + "\n\n" + table(["test", "time"], rows)
 
+
+
+SERVE_HOST_KV = "results/serve_host_kv.json"
+
+
+@renders(SERVE_HOST_KV)
+def serve_host_kv(root: Path) -> str:
+    """Offloading on / off per host KV dtype (NOSA_HOST_KV_DTYPE), paired rounds of one run."""
+    data = load(root, SERVE_HOST_KV)
+    context = str(data["results"][0]["context"])
+    rows = []
+    for label, variant, key in (("model dtype (fp32)", "nosa+offload+sched", "offload_sched_over_nosa"),
+                                ("int8", "nosa+offload+sched+int8", "offload_sched_int8_over_nosa"),
+                                ("fp8", "nosa+offload+sched+fp8", "offload_sched_fp8_over_nosa")):
+        runs = [r for r in data["results"] if r["backend"] == variant]
+        if not runs:
+            continue
+        speed = paired_speed(data, key)
+        layer_steps = sum(r["offload"]["decode_layer_steps"] for r in runs)
+        recalled = sum(r["offload"]["recalled_bytes"] for r in runs)
+        rows.append([label, f"{speed['lo']:.2f}-{speed['hi']:.2f}", f"**{speed['median']:.2f}** "
+                     f"({speed['median_cpu']:.2f})", f"{speed['at_least_0_9']} of {speed['rounds']}",
+                     pct(statistics.mean(r["offload"]["hit_rate"] for r in runs)),
+                     f"{recalled / max(1, layer_steps) / 1e3:.2f}"])
+    return (table(["host KV dtype", "on / off by round", "median on / off (CPU time)", "rounds >= 0.9", "hit rate",
+                   "KB recalled per layer and decode step"], rows)
+            + f"\n\n{data['model']}, {int(context) // 1024}K tokens, batch {data['results'][0]['batch']}; "
+            "offloading with the recall scheduler, against nosa with offloading off, paired rounds.")
