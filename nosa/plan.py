@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -242,6 +243,7 @@ def published_points() -> list[dict]:
 
 
 TINY = ModelShape("tiny llama (bench_serve's)", 2, 8, 2, 32, 2 * 12 * 256 * 256 + 2 * 320 * 256)
+SMOLLM2 = ModelShape("SmolLM2-135M", 30, 9, 3, 64, 1.35e8)
 
 
 def memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 7) -> float:
@@ -277,6 +279,26 @@ def against_cpu(serve: dict, bytes_per_s: float, model: ModelShape = TINY) -> li
             rows.append({"backend": backend, "context": context, "batch": batch, "predicted_s": predicted,
                          "measured_s": measured, "error": predicted / measured - 1})
     return rows
+
+
+def onoff_against_cpu(serve: dict, bytes_per_s: float, model: ModelShape = SMOLLM2) -> dict:
+    """The planner's offloading on / off decode speed against a served CPU run of paired rounds
+    (bench_serve --interleave: results/serve_smollm2_8k_rank_short.json), at the run's measured warm
+    hit rate; on a CPU the "link" is a copy within the same memory (``bytes_per_s``)."""
+    cfg = NosaConfig(**serve["nosa_config"])
+    on = [r for r in serve["results"] if "offload" in r["backend"]]
+    context, batch = on[0]["context"], on[0]["batch"]
+    hit = sum(r["offload"]["warm_hit_items"] for r in on) / sum(r["offload"]["warm_selected_items"] for r in on)
+    cpu = Gpu("this CPU", 24e9, bytes_per_s, 1e12)
+    p = plan(model, context, batch, cpu, Link("memory copy", bytes_per_s, 1.0), cfg, dtype_bytes=4, hit_rate=hit,
+             recall_share_of_copy=1.0)
+    key = next(k for k in serve["ratios_by_round"][0][str(context)] if k.startswith("offload"))
+    measured = [1 / r[str(context)][key] for r in serve["ratios_by_round"]]
+    median = statistics.median(measured)
+    predicted = p["step_s"]["nosa"] / p["step_s"]["nosa_offload"]
+    return {"model": model.name, "context": context, "batch": batch, "hit_rate": hit,
+            "predicted_on_over_off": predicted, "measured_on_over_off": median, "rounds": len(measured),
+            "error": predicted / median - 1}
 
 
 SHARES = (2, 4, 8, 16, 32, 64)
@@ -388,6 +410,8 @@ def main(argv=None) -> None:
     ap.add_argument("--calibrate-cpu", metavar="SERVE_JSON",
                     help="instead of a plan: measure this machine's memory bandwidth and compare the planner with "
                          "bench_serve's CPU runs in SERVE_JSON (results/serve.json), written to --out")
+    ap.add_argument("--onoff-json", metavar="SERVE_JSON", help="with --calibrate-cpu: a paired on / off served run "
+                    "(results/serve_smollm2_8k_rank_short.json) to compare the predicted on / off speed with")
     ap.add_argument("--out", default="results/plan_cpu.json", help="where --calibrate-cpu writes")
     args = ap.parse_args(argv)
     if args.calibrate_cpu:
@@ -395,8 +419,14 @@ def main(argv=None) -> None:
             serve = json.load(f)
         bandwidth = memory_bandwidth()
         rows = against_cpu(serve, bandwidth)
+        onoff = None
+        if args.onoff_json:
+            with open(args.onoff_json) as f:
+                onoff = onoff_against_cpu(json.load(f), bandwidth)
+            print(json.dumps(onoff))
         write_result(args.out, {"memory_bytes_per_s": bandwidth, "threads": torch.get_num_threads(),
-                                "serve_json": args.calibrate_cpu, "rows": rows})
+                                "serve_json": args.calibrate_cpu, "rows": rows, "onoff_json": args.onoff_json,
+                                "onoff": onoff})
         for r in rows:
             print(json.dumps(r))
         print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s; wrote {args.out}")

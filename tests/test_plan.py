@@ -128,3 +128,14 @@ def test_against_cpu_predicts_the_growth_from_the_shortest_context():
     # 60K more tokens x 4 requests x 1 KiB (2 layers, 2 KV heads of 32, fp32 K and V) at 10 GB/s
     assert dense["predicted_s"] - 0.010 == pytest.approx(61440 * 4 * 1024 / 10e9, rel=1e-6)
     assert sparse["predicted_s"] - 0.010 < (dense["predicted_s"] - 0.010) / 10
+
+
+def test_onoff_against_the_served_smollm2_run():
+    from nosa.plan import onoff_against_cpu
+
+    path = os.path.join(ROOT, "results", "serve_smollm2_8k_rank_short.json")
+    with open(path) as f:
+        row = onoff_against_cpu(json.load(f), 10e9)
+    assert 0.9 < row["hit_rate"] <= 1.0 and row["rounds"] >= 3
+    assert 0 < row["predicted_on_over_off"] <= 1.0  # offloading never makes the step faster in the model
+    assert row["error"] == pytest.approx(row["predicted_on_over_off"] / row["measured_on_over_off"] - 1)

@@ -104,6 +104,13 @@ def plan_cpu(root: Path) -> str:
     data = load(root, PLAN_CPU)
     rows = [[r["backend"], f"{r['context'] // 1024}K, batch {r['batch']}", f"{r['predicted_s'] * 1e3:.1f}",
              f"{r['measured_s'] * 1e3:.1f}", f"{100 * r['error']:+.0f}%"] for r in data["rows"]]
-    return (table(["backend", "context", "predicted ms per decode step", "measured ms", "error"], rows)
+    text = (table(["backend", "context", "predicted ms per decode step", "measured ms", "error"], rows)
             + f"\n\nMemory bandwidth measured here: {data['memory_bytes_per_s'] / 1e9:.1f} GB/s (torch copy, read + "
             f"write, {data['threads']} threads); the measured runs: `{data['serve_json']}`.")
+    o = data.get("onoff")
+    if o:
+        text += (f" {o['model']} served at {o['context'] // 1024}K, batch {o['batch']}, offloading on over off: "
+                 f"predicted {o['predicted_on_over_off']:.2f} at its measured warm hit rate "
+                 f"({pct(o['hit_rate'])}), measured {o['measured_on_over_off']:.2f} (median of {o['rounds']} paired "
+                 f"rounds, `{data['onoff_json']}`): error {100 * o['error']:+.0f}%.")
+    return text
