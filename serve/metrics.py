@@ -12,7 +12,9 @@ when a request leaves), so a scrape agrees with the file.
 Series (``_total`` is added to counters by prometheus_client):
 - ``nosa:decode_steps``, ``nosa:selected_blocks``, ``nosa:block_cache_hits``,
   ``nosa:block_cache_misses`` (= blocks recalled on demand), ``nosa:recalled_bytes``,
-  ``nosa:prefetched_blocks``, ``nosa:prefetch_hits``: counters over every layer;
+  ``nosa:warm_selected_blocks`` and ``nosa:warm_block_cache_hits`` (their difference per step: the
+  blocks entering the selections), ``nosa:prefetched_blocks``, ``nosa:prefetch_hits``: counters
+  over every layer;
 - ``nosa:device_slots_in_use``, ``nosa:host_pool_tokens_in_use``, ``nosa:requests``: gauges;
 - with the recall scheduler: ``nosa:scheduler_demand_blocks``, ``nosa:scheduler_prefetch_blocks``,
   ``nosa:scheduler_stall_seconds``, ``nosa:scheduler_preemptions``;
@@ -32,6 +34,10 @@ COUNTERS = {  # series -> (help, the stats file's per-layer counter summed)
     "nosa:block_cache_misses": ("Selected blocks recalled from the host pool on demand.", "misses"),
     "nosa:recalled_bytes": ("Bytes recalled from the host pool on demand (host bytes: data, scales, cis).",
                             "recalled_bytes"),
+    "nosa:warm_selected_blocks": ("Blocks selected by warm decode steps (the request's previous step was a decode "
+                                  "step).", "warm_selected"),
+    "nosa:warm_block_cache_hits": ("Of those, blocks already on the device: warm_selected - warm_hits are the blocks "
+                                   "entering the selections (the locality theorem bounds them per step).", "warm_hits"),
     "nosa:prefetched_blocks": ("Blocks the recall scheduler prefetched.", "prefetched"),
     "nosa:prefetch_hits": ("Selected blocks a prefetch had brought.", "prefetch_hits"),
 }
@@ -47,24 +53,25 @@ HIT_RATE_BUCKETS = (0.5, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 1.0)
 class NosaMetrics:
     """The nosa series of one scheduler process (see the module docstring)."""
 
-    def __init__(self, labels: dict[str, str], num_layers: int):
+    def __init__(self, labels: dict[str, str], num_layers: int, registry=None):
+        """``registry``: prometheus_client's registry to register in (default: its global one, which
+        SGLang's /metrics serves; tests pass their own)."""
         # SGLang imports prometheus_client only once $PROMETHEUS_MULTIPROC_DIR is set; so does this
         from prometheus_client import Counter, Gauge, Histogram  # optional: prometheus_client (SGLang's)
 
         self.labels, self.num_layers = {k: str(v) for k, v in labels.items()}, num_layers
         names = list(self.labels)
-        self._counters = {name: Counter(name, text, names) for name, (text, _) in {**COUNTERS, **SCHEDULER}.items()}
-        self._decisions = Counter("nosa:admission_decisions", "Admission's decisions.", [*names, "decision"])
-        self._gauges = {
-            "nosa:device_slots_in_use": Gauge("nosa:device_slots_in_use", "Device block slots holding a block.", names,
-                                              multiprocess_mode="livesum"),
-            "nosa:host_pool_tokens_in_use": Gauge("nosa:host_pool_tokens_in_use", "Host pool tokens allocated.", names,
-                                                  multiprocess_mode="livesum"),
-            "nosa:requests": Gauge("nosa:requests", "Requests holding decode states.", names,
-                                   multiprocess_mode="livesum"),
-        }
+        reg = {} if registry is None else {"registry": registry}
+        self._counters = {name: Counter(name, text, names, **reg)
+                          for name, (text, _) in {**COUNTERS, **SCHEDULER}.items()}
+        self._decisions = Counter("nosa:admission_decisions", "Admission's decisions.", [*names, "decision"], **reg)
+        gauges = {"nosa:device_slots_in_use": "Device block slots holding a block.",
+                  "nosa:host_pool_tokens_in_use": "Host pool tokens allocated.",
+                  "nosa:requests": "Requests holding decode states."}
+        self._gauges = {name: Gauge(name, text, names, multiprocess_mode="livesum", **reg)
+                        for name, text in gauges.items()}
         self._hit_rate = Histogram("nosa:request_hit_rate", "Device cache hit rate of each finished request.",
-                                   names, buckets=HIT_RATE_BUCKETS)
+                                   names, buckets=HIT_RATE_BUCKETS, **reg)
         self._exported: dict[str, float] = {}  # what each counter already holds (counters only go up)
 
     def _add(self, counter, key: str, total: float, **extra) -> None:

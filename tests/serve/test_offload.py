@@ -161,7 +161,9 @@ def test_prometheus_metrics_equal_the_stats_file(servers):
     layers = len(counts["offload"]["hits"])
     for series, key in (("nosa:block_cache_hits_total", "hits"), ("nosa:block_cache_misses_total", "misses"),
                         ("nosa:selected_blocks_total", "selected"), ("nosa:recalled_bytes_total", "recalled_bytes"),
-                        ("nosa:prefetched_blocks_total", "prefetched"), ("nosa:prefetch_hits_total", "prefetch_hits")):
+                        ("nosa:prefetched_blocks_total", "prefetched"), ("nosa:prefetch_hits_total", "prefetch_hits"),
+                        ("nosa:warm_selected_blocks_total", "warm_selected"),
+                        ("nosa:warm_block_cache_hits_total", "warm_hits")):
         assert got.get(series, 0.0) == pytest.approx(sum(counts["offload"][key])), series
     assert got["nosa:decode_steps_total"] == pytest.approx(sum(counts["offload"]["steps"]) / layers)
     assert got["nosa:selected_blocks_total"] > 0 and got["nosa:block_cache_hits_total"] > 0
