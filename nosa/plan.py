@@ -301,6 +301,42 @@ def onoff_against_cpu(serve: dict, bytes_per_s: float, model: ModelShape = SMOLL
             "error": predicted / median - 1}
 
 
+def batch_for_rate(rate: float, output: int, model: ModelShape, context: int, gpu: Gpu, link: Link, cfg: NosaConfig,
+                   mode: str = "nosa_offload", **kw) -> int:
+    """The requests decoding at once at ``rate`` requests/s: the smallest batch B with B >= rate x
+    output x step(B) (Little's law: each request decodes ``output`` steps of the step time at that
+    batch), by bisection up to the largest batch that fits; ValueError naming the highest rate that
+    fits when the rate needs more."""
+    if rate <= 0 or output < 1:
+        raise ValueError(f"plan: --rate needs a positive rate and --output >= 1 (got {rate}, {output})")
+
+    def step(batch: int) -> float:
+        return plan(model, context, batch, gpu, link, cfg, output=output, **kw)["step_s"][mode]
+
+    top = plan(model, context, 1, gpu, link, cfg, output=output, **kw)["max_batch"][mode]
+    if top < 1 or top < rate * output * step(top):
+        most = top / (output * step(top)) if top >= 1 else 0.0
+        raise ValueError(f"plan: {rate:g} requests/s do not fit: at most {top} requests fit the device "
+                         f"({mode}), which sustain {most:.3g} requests/s")
+    lo, hi = 1, top
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if mid >= rate * output * step(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def hit_rate_of(report: dict) -> float:
+    """The device cache hit rate of a bench_longctx / RULER report (results/longctx.json, ruler.json):
+    the mean over its NOSA variants' results (a cache of exactly the budget)."""
+    rates = [r["hit_rate"] for r in report.get("results", []) if r.get("share") and r.get("hit_rate") is not None]
+    if not rates:
+        raise ValueError("plan: the report has no NOSA results with a hit_rate (a bench_longctx / RULER JSON)")
+    return sum(rates) / len(rates)
+
+
 SHARES = (2, 4, 8, 16, 32, 64)
 
 
@@ -394,6 +430,8 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, help="prompt tokens per request")
     ap.add_argument("--output", type=int, default=0, help="reply tokens per request (the KV at the end)")
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
+    ap.add_argument("--rate", type=float, help="requests per second instead of --batch (with --output: the batch "
+                    "that rate keeps decoding, by Little's law, for nosa with offloading)")
     ap.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     ap.add_argument("--link", default="pcie5", choices=sorted(LINKS))
     ap.add_argument("--link-efficiency", type=float, help="share of the link a pinned copy reaches (default 0.85)")
@@ -404,7 +442,8 @@ def main(argv=None) -> None:
     ap.add_argument("--extra-slots", type=int, default=0, help="$NOSA_DEVICE_EXTRA_SLOTS")
     ap.add_argument("--host-kv-dtype", default="auto", choices=["auto", "int8", "float8_e4m3fn"])
     ap.add_argument("--hit-rate", type=float, help="measured device cache hit rate (default: the locality bound)")
-    ap.add_argument("--stats", help="a NOSA_SERVE_STATS_FILE to read the hit rate from")
+    ap.add_argument("--stats", help="a NOSA_SERVE_STATS_FILE, or a bench_longctx / RULER JSON, to read the hit "
+                    "rate from")
     ap.add_argument("--calibration", help="scripts/gpu_check.sh's joined results (e.g. results/gpu_h200.json)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--calibrate-cpu", metavar="SERVE_JSON",
@@ -461,12 +500,24 @@ def main(argv=None) -> None:
         layers = stats.get("offload", {})
         selected = sum(layers.get("warm_selected", [])) or sum(layers.get("selected", []))
         hits = sum(layers.get("warm_hits", [])) if layers.get("warm_selected") else sum(layers.get("hits", []))
-        if not selected:
-            ap.error(f"--stats {args.stats}: no offloading counters with selected blocks in it "
-                     "(a NOSA_SERVE_STATS_FILE of a server with offloading, after some decode steps)")
-        hit = hits / selected  # warm steps when there are any: a request's first step recalls its whole budget
+        if selected:
+            hit = hits / selected  # warm steps when there are any: a request's first step recalls its whole budget
+        else:
+            try:
+                hit = hit_rate_of(stats)
+            except ValueError:
+                ap.error(f"--stats {args.stats}: neither offloading counters with selected blocks (a "
+                         "NOSA_SERVE_STATS_FILE after some decode steps) nor NOSA results with a hit_rate "
+                         "(a bench_longctx / RULER JSON)")
     host = kvquant.host_kv_dtype(args.host_kv_dtype, torch.bfloat16)
     cfg = nosa_config_for(args.context, args.share, cfg)
+    if args.rate is not None:
+        try:
+            args.batch = batch_for_rate(args.rate, args.output, model, args.context, gpu, link, cfg, host_kv_dtype=host,
+                                        hit_rate=hit, recall_share_of_copy=share_of_copy,
+                                        attention_efficiency=attention)
+        except ValueError as err:
+            ap.error(str(err))
     try:
         p = plan(model, args.context, args.batch, gpu, link, cfg, 2, host, hit, args.extra_slots, share_of_copy,
                  args.output, attention)

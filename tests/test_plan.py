@@ -139,3 +139,36 @@ def test_onoff_against_the_served_smollm2_run():
     assert 0.9 < row["hit_rate"] <= 1.0 and row["rounds"] >= 3
     assert 0 < row["predicted_on_over_off"] <= 1.0  # offloading never makes the step faster in the model
     assert row["error"] == pytest.approx(row["predicted_on_over_off"] / row["measured_on_over_off"] - 1)
+
+
+def test_a_request_rate_becomes_the_batch_it_keeps_decoding(capsys):
+    from nosa.plan import batch_for_rate
+
+    cfg = NosaConfig()
+
+    def step(b):
+        p = plan(LLAMA, 65536, b, GPUS["h100"], LINKS["pcie5"], cfg, hit_rate=0.97, output=256)
+        return p["step_s"]["nosa_offload"]
+
+    batch = batch_for_rate(2.0, 256, LLAMA, 65536, GPUS["h100"], LINKS["pcie5"], cfg, hit_rate=0.97)
+    assert batch > 1 and batch >= 2.0 * 256 * step(batch) and batch - 1 < 2.0 * 256 * step(batch - 1)  # Little's law
+    main(["--model", "llama-3.1-8b", "--context", "65536", "--rate", "2", "--output", "256", "--hit-rate", "0.97",
+          "--json"])
+    assert json.loads(capsys.readouterr().out)["batch"] == batch
+    with pytest.raises(ValueError, match="positive rate"):
+        batch_for_rate(0, 256, LLAMA, 65536, GPUS["h100"], LINKS["pcie5"], cfg)
+    with pytest.raises(ValueError, match="do not fit: at most"):
+        batch_for_rate(1e6, 256, LLAMA, 65536, GPUS["h100"], LINKS["pcie5"], cfg, hit_rate=0.97)
+
+
+def test_hit_rate_from_a_bench_longctx_report(tmp_path, capsys):
+    from nosa.plan import hit_rate_of
+
+    report = {"results": [{"variant": "dense", "share": None}, {"variant": "A = 0, 1/4", "share": 4, "hit_rate": 0.9},
+                          {"variant": "fitted, 1/4", "share": 4, "hit_rate": 0.98}]}
+    assert hit_rate_of(report) == pytest.approx(0.94)
+    path = tmp_path / "longctx.json"
+    path.write_text(json.dumps(report))
+    main(["--model", "llama-3.1-8b", "--context", "65536", "--stats", str(path), "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["blocks_entering_per_head"] == pytest.approx(0.06 * data["nosa_config"]["topk_blocks"])
