@@ -435,6 +435,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     ap.add_argument("--link", default="pcie5", choices=sorted(LINKS))
     ap.add_argument("--link-efficiency", type=float, help="share of the link a pinned copy reaches (default 0.85)")
+    ap.add_argument("--link-gbps", type=float, help="override the link's bandwidth (GB/s, one direction)")
     ap.add_argument("--hbm-gbps", type=float, help="override the GPU's HBM bandwidth (GB/s)")
     ap.add_argument("--memory-gib", type=float, help="override the GPU's memory (GiB)")
     ap.add_argument("--share", type=int, help="NOSA budget: 1/SHARE of the context's blocks (default: NosaConfig())")
@@ -487,6 +488,8 @@ def main(argv=None) -> None:
         cal = calibration(args.calibration)
         link = Link(link.name, link.bytes_per_s, min(1.0, cal["link_bytes_per_s"] / link.bytes_per_s))
         share_of_copy, attention = cal["recall_share_of_copy"], cal["attention_efficiency"]
+    if args.link_gbps:
+        link = Link(f"{link.name} at {args.link_gbps:g} GB/s", args.link_gbps * 1e9, link.efficiency)
     if args.link_efficiency:
         link = Link(link.name, link.bytes_per_s, args.link_efficiency)
     cfg = None
