@@ -201,13 +201,18 @@ def copy_items_triton(dst, src, dst_idx, src_idx) -> None:
     """One launch per MAX_PAIRS pairs. CUDA tensors (src or dst may be pinned host memory), or CPU
     tensors under TRITON_INTERPRET=1."""
     _check(dst, src, dst_idx, src_idx)
+    launch(copy_items_plan, kernels()["copy"], dst, src, dst_idx, src_idx)
+
+
+def launch(plan, kernel, dst, src, dst_idx, src_idx) -> None:
+    """``kernel`` over every MAX_PAIRS pairs, with the launch arguments ``plan`` makes of them
+    (indices through ``launch_indices``; nothing launched when nothing is to be copied)."""
     indices = launch_indices(dst, src, dst_idx, src_idx)
     if indices is None:
         return
-    dst_idx, src_idx = indices
     for lo in range(0, len(dst), MAX_PAIRS):
-        grid, args, constexprs = copy_items_plan(dst[lo : lo + MAX_PAIRS], src[lo : lo + MAX_PAIRS], dst_idx, src_idx)
-        kernels()["copy"][grid](*args, **constexprs, num_warps=4)
+        grid, args, constexprs = plan(dst[lo : lo + MAX_PAIRS], src[lo : lo + MAX_PAIRS], *indices)
+        kernel[grid](*args, **constexprs, num_warps=4)
 
 
 @functools.cache
@@ -323,14 +328,7 @@ def copy_items_dequant_triton(dst, src, dst_idx, src_idx) -> None:
     """The recall of a quantized pool in one launch per MAX_PAIRS pairs (CUDA: the host pool's data
     and scales pinned; or CPU tensors under TRITON_INTERPRET=1)."""
     check_dequant(dst, src, dst_idx, src_idx)
-    indices = launch_indices(dst, src, dst_idx, src_idx)
-    if indices is None:
-        return
-    dst_idx, src_idx = indices
-    for lo in range(0, len(dst), MAX_PAIRS):
-        grid, args, consts = copy_items_dequant_plan(dst[lo : lo + MAX_PAIRS], src[lo : lo + MAX_PAIRS], dst_idx,
-                                                     src_idx)
-        dequant_kernels()["copy_dequant"][grid](*args, **consts, num_warps=4)
+    launch(copy_items_dequant_plan, dequant_kernels()["copy_dequant"], dst, src, dst_idx, src_idx)
 
 
 @functools.cache

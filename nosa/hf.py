@@ -124,7 +124,7 @@ def nosa_attention_forward(
         for b in range(bsz):
             q_rows, k_seq, v_seq = (t[b].transpose(0, 1) for t in (query, key, value))
             docs = _document_bounds(position_ids, b, None)
-            attend_kv = None if host_dtype is None else (roundtrip(k_seq, host_dtype), roundtrip(v_seq, host_dtype))
+            attend_kv = _as_host_pool_returns(k_seq, v_seq, host_dtype)
             if docs is None and kv_len <= cfg.dense_len:  # every row dense: no selection to compute
                 outs.append(dense_attention(q_rows, *(attend_kv or (k_seq, v_seq)), scale))
             elif docs is None:
@@ -147,11 +147,9 @@ def nosa_attention_forward(
             out[b, rows] = _decode(states, b, q_rows[0], k_seq, v_seq, evict, cfg, scale, host_dtype)[None]
             continue
         docs = _document_bounds(position_ids, b, rows) if rows.numel() == keep.numel() else None
-        if docs is None and host_dtype is not None:
+        if docs is None:
             o, _ = nosa_prefill(q_rows, k_seq, v_seq, evict(v_seq), cfg, scale,
-                                attend_kv=(roundtrip(k_seq, host_dtype), roundtrip(v_seq, host_dtype)))
-        elif docs is None:
-            o, _ = nosa_prefill(q_rows, k_seq, v_seq, evict(v_seq), cfg, scale)
+                                attend_kv=_as_host_pool_returns(k_seq, v_seq, host_dtype))
         else:
             o, _ = nosa_prefill_varlen(q_rows, k_seq, v_seq, evict(v_seq), docs, cfg, scale)
         out[b, rows] = o
@@ -206,9 +204,16 @@ def _decode(states, b, q, k_seq, v_seq, evict, cfg, scale, host_dtype=None) -> t
         kv = ContiguousKV(k_seq, v_seq, evict(v_seq))
         state.append(kv)
     state.probe = k_seq[length - 1].clone()
-    if host_dtype is not None:
-        kv = ContiguousKV(roundtrip(k_seq, host_dtype), roundtrip(v_seq, host_dtype), kv.cis_all)
+    attend_kv = _as_host_pool_returns(k_seq, v_seq, host_dtype)
+    if attend_kv is not None:
+        kv = ContiguousKV(*attend_kv, kv.cis_all)
     return state.attend(q, kv, scale)
+
+
+def _as_host_pool_returns(k, v, host_dtype):
+    """(k, v) as a host pool of ``host_dtype`` gives them back (nosa.kvquant.roundtrip), or None
+    without one (``host_kv_dtype`` not active)."""
+    return None if host_dtype is None else (roundtrip(k, host_dtype), roundtrip(v, host_dtype))
 
 
 @contextlib.contextmanager

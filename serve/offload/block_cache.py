@@ -404,25 +404,25 @@ class DeviceBlockCache:
                 self.max_warm_misses[layer], self.group_misses, self.home)
             return self._device_rows(layer, rows, valid, item, fill)
         by_scheduler = self.scheduler is not None
-        # a quantized pool: the kernel diffs, nosa.ops.copy_items dequantizes the misses (its C++ loop)
-        inline_copy = isinstance(host_items[0], QuantizedItems) and not by_scheduler
+        # the kernel only diffs (and lists the misses) when the copy is someone else's: the scheduler's,
+        # or nosa.ops.copy_items' for a quantized pool (it dequantizes: its C++ loop)
+        copy_after = by_scheduler or isinstance(host_items[0], QuantizedItems)
         start = time.perf_counter()
         done = resolve_cpu.resolve_layer(self.blocks[layer], self.col_of, groups, wanted, pages, lengths, warm, real,
                                          bufs, list(host_items), new, self.dump_row, self.counts[layer],
                                          self.max_warm_misses[layer], self.group_misses, self.home,
-                                         copy=not (by_scheduler or inline_copy))
-        if inline_copy:
-            ops.copy_items(bufs, list(host_items), done.miss_dst, done.miss_src)
-            if new is not None:
-                resolve_cpu.write_tokens(wanted, lengths, done.item, bufs, new, self.dump_row)
+                                         copy=not copy_after)
         with self._lock:
             # (padding rows resolve in the spare group, which the kernel does not count)
             self.full[layer] = set(groups.tolist()) - {self.spare_group} if done.empty == 0 else set()
-        if by_scheduler:  # the demand copy through the scheduler (prefetching pauses meanwhile), then the new tokens
-            self.scheduler.demand(layer, bufs, list(host_items), done.miss_dst, done.miss_src)
+        if copy_after:  # the demand copy (through the scheduler: prefetching pauses meanwhile), then the new tokens
+            if by_scheduler:
+                self.scheduler.demand(layer, bufs, list(host_items), done.miss_dst, done.miss_src)
+            else:
+                ops.copy_items(bufs, list(host_items), done.miss_dst, done.miss_src)
             if new is not None:
                 resolve_cpu.write_tokens(wanted, lengths, done.item, bufs, new, self.dump_row)
-        elif done.miss_dst.numel():
+        if not by_scheduler and done.miss_dst.numel():
             seconds = time.perf_counter() - start  # the kernel's whole call: the copy and the diff
             self.host_stats["recall_seconds"][layer] += seconds
             self.host_stats["stall_seconds"][layer] += seconds
