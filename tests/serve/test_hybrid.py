@@ -56,7 +56,9 @@ def servers(ckpt, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     offload = [*COMMON, "--page-size", str(CFG.block_size), "--disable-radix-cache"]
     procs = {
-        "off": ServerProcess(ckpt, COMMON, str(logs / "off.log")),
+        # a pool of its own size: SGLang's CPU default takes 30% of free memory (5 GB here), and three
+        # servers start at once beside the other test worker's
+        "off": ServerProcess(ckpt, [*COMMON, "--max-total-tokens", "4096"], str(logs / "off.log")),
         "on": ServerProcess(ckpt, offload, str(logs / "on.log"),
                             env={**OFFLOAD, "NOSA_SERVE_STATS_FILE": str(logs / "on.json")}),
         "radix": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "radix.log"),

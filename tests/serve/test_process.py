@@ -119,3 +119,26 @@ def test_a_server_that_fails_otherwise_is_not_started_again(tmp_path, monkeypatc
         assert "starting again" not in (tmp_path / "server.log").read_text()
     finally:
         server.stop(timeout=10)
+
+
+@pytest.mark.parametrize("output, why", [
+    # a scheduler's traceback, then the launcher's lines (more than the log tail holds)
+    ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    raise ValueError\n"
+     "ValueError: nosa backend: needs --disable-radix-cache\n\n" + "[t] Received sigquit from a child process.\n" * 300,
+     "exited with -9: ValueError: nosa backend: needs --disable-radix-cache"),
+    ("[t] Ignore import error\n[t] Received sigquit from a child process. It usually means the child failed.\n",
+     "exited with -9: a server process died without a Python error"),
+])
+def test_a_failed_start_names_the_error_first(tmp_path, output, why):
+    class Failing(ServerProcess):
+        def _command(self) -> list[str]:
+            return [sys.executable, "-c", f"import os, sys; sys.stdout.write({output!r}); sys.stdout.flush(); "
+                                          "os.kill(os.getpid(), 9)"]
+
+    server = Failing("ckpt", [], str(tmp_path / "server.log"))
+    try:
+        with pytest.raises(RuntimeError) as err:
+            server.wait_ready(timeout=30)
+        assert str(err.value).startswith(f"SGLang server {why}")
+    finally:
+        server.stop(timeout=10)

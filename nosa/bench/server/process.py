@@ -81,7 +81,8 @@ class ServerProcess:
                     self._log.flush()
                     self._start()
                     continue
-                raise RuntimeError(f"SGLang server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"SGLang server exited with {self.proc.returncode}: {self.why_it_exited()}\n"
+                                   f"{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -98,6 +99,23 @@ class ServerProcess:
             self._log.flush()
         with open(self.log_path, errors="replace") as f:
             return f.read()[-chars:]
+
+    def why_it_exited(self) -> str:
+        """The last Python error in the log (a scheduler's traceback ends with it), or a line saying
+        that a process died without one (killed by the OS, e.g. for memory)."""
+        self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            f.seek(self._log_start)
+            lines = f.read().splitlines()
+        for i in range(len(lines) - 1, -1, -1):
+            if lines[i].startswith("Traceback (most recent call last)"):
+                errors = [line for line in lines[i + 1:] if line and not line.startswith((" ", "["))]
+                if errors:
+                    return errors[0]
+        if any("Received sigquit from a child process" in line for line in lines):
+            return ("a server process died without a Python error (killed by a signal: out of memory? "
+                    "see the kernel log)")
+        return "no Python error in the log"
 
     def post(self, path: str, payload: dict, timeout: float = 300.0) -> tuple[int, dict | str]:
         """(HTTP status, decoded JSON body or text)."""
