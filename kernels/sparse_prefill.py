@@ -10,6 +10,8 @@ blocks sel[i, h // G] (causal inside the current block); lse[i, h] = log sum_j e
 selected-block attention (the rows past dense_len); tests/test_kernels_prefill.py checks both.
 Kernels: one program per (tile of TQ query rows, KV head) over the union of the tile's blocks;
 the backward recomputes probabilities from lse, with no per-step atomics (``block_work``).
+Launch options (num_warps, num_stages) per kernel: ``LAUNCH``, overridable per call (``launch``;
+scripts/tune_sparse_prefill.py sweeps them).
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ def default_tile(group: int) -> int:
     return max(1, 64 // group)
 
 
+def tile_candidates(group: int) -> list[int]:
+    """The tiles ``choose_tile`` weighs, largest first: ``default_tile`` and its halves down to 16
+    matrix rows (TQ * G; G = 4 -> [16, 8, 4])."""
+    tiles = [default_tile(group)]
+    while tiles[-1] * group > 16 and tiles[-1] > 1:
+        tiles.append(tiles[-1] // 2)
+    return tiles
+
+
 def _tile_mask(sel: torch.Tensor, num_blocks: int, tile: int) -> torch.Tensor:
     """[T, Hkv, NB] bool: the blocks any row of each tile of ``tile`` consecutive rows selected."""
     n, hkv, topk = sel.shape
@@ -102,15 +113,12 @@ def choose_tile(sel: torch.Tensor, num_blocks: int, group: int) -> int:
     Work per row ~ mean union size * padded matrix rows / TQ, tried for the largest tile and its
     halves down to 16 matrix rows; a smaller tile must save 25% of it, as it loads every block of
     its union for fewer rows (more memory traffic per row)."""
-    best, best_cost, tile = 1, float("inf"), default_tile(group)
-    while tile >= 1:
+    best, best_cost = 1, float("inf")
+    for tile in tile_candidates(group):
         rows = max(16, 1 << max(0, tile * group - 1).bit_length())
         cost = float(_tile_mask(sel, num_blocks, tile).sum(dim=-1, dtype=torch.float32).mean()) * rows / tile
         if cost < 0.75 * best_cost:  # a smaller tile reloads each block for fewer rows: worth it only
             best, best_cost = tile, cost  # when it saves a good part of the wasted rows
-        if tile * group <= 16:
-            break
-        tile //= 2
     return best
 
 
@@ -184,8 +192,26 @@ def block_work(union, count, num_blocks: int, chunk: int = CHUNK_TILES):
     return work, tile_list.contiguous()
 
 
+# The launches as first written and measured (results/gpu_h200.json); num_stages unset: Triton's
+# default. scripts/tune_sparse_prefill.py times the alternatives before any of these changes.
+LAUNCH = {"forward": {"num_warps": 4}, "dq": {"num_warps": 8}, "dkdv": {"num_warps": 8}}
+
+
+def launch_options(name: str, launch: dict | None = None) -> dict:
+    """The Triton launch options of kernel ``name`` ("forward", "dq" or "dkdv"): ``LAUNCH[name]``
+    updated by ``launch[name]`` (e.g. ``{"dq": {"num_warps": 4, "num_stages": 2}}``; kernels it
+    does not name keep their defaults)."""
+    launch = launch or {}
+    unknown = set(launch) - set(LAUNCH)
+    bad = {key for opts in launch.values() for key in opts} - {"num_warps", "num_stages"}
+    if unknown or bad:
+        raise ValueError(f"sparse_prefill: launch {launch} names unknown kernels {sorted(unknown)} or options "
+                         f"{sorted(bad)} (kernels {sorted(LAUNCH)}; options num_warps, num_stages)")
+    return {**LAUNCH[name], **launch.get(name, {})}
+
+
 def backward_plan(q, k, v, cis, sel, positions, union, count, dout, lse, delta, block_size, scale, tile):
-    """Launches of the backward as [(kernel name, grid, args, constexprs, num_warps)] and (dq, dk, dv,
+    """Launches of the backward as [(kernel name, grid, args, constexprs, default num_warps)] and (dq, dk, dv,
     dcis): "dq" walks each tile's union (query-major, no atomics); "dkdv" walks, per (KV head, block),
     the tiles that read the block (key-major), in chunks of CHUNK_TILES tiles whose partial sums go
     into fp32 dk, dv, dcis with one atomic add per element and chunk."""
@@ -204,29 +230,29 @@ def backward_plan(q, k, v, cis, sel, positions, union, count, dout, lse, delta, 
     work, tiles = block_work(union, count, -(-length // block_size))
     dkdv_args = common + [work, tiles, dk, dv, dcis, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                           dcis.stride(0)]
-    launches = [("dq", (union.shape[0], hkv), dq_args, consts, 8),
-                ("dkdv", (max(1, work.shape[0]),), dkdv_args + [work.shape[0]], consts, 8)]
+    launches = [("dq", (union.shape[0], hkv), dq_args, consts, LAUNCH["dq"]["num_warps"]),
+                ("dkdv", (max(1, work.shape[0]),), dkdv_args + [work.shape[0]], consts, LAUNCH["dkdv"]["num_warps"])]
     return launches, (dq, dk, dv, dcis)
 
 
 class _SparsePrefill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cis, sel, positions, block_size, scale, tile):
+    def forward(ctx, q, k, v, cis, sel, positions, block_size, scale, tile, launch):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ctx.cis_dtype = cis.dtype
         cis = cis.float().contiguous()
         sel, positions, union, count, tile = _prepare(q, k, v, cis, sel, positions, block_size, tile)
         grid, args, consts, out, lse = forward_plan(q, k, v, cis, sel, positions, union, count, block_size, scale,
                                                     tile)
-        kernels()["forward"][grid](*args, **consts, num_warps=4)
+        kernels()["forward"][grid](*args, **consts, **launch_options("forward", launch))
         ctx.save_for_backward(q, k, v, cis, sel, positions, union, count, out, lse)
-        ctx.meta = (block_size, scale, tile)
+        ctx.meta = (block_size, scale, tile, launch)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, cis, sel, positions, union, count, out, lse = ctx.saved_tensors
-        block_size, scale, tile = ctx.meta
+        block_size, scale, tile, launch = ctx.meta
         if dout is None:
             dout = torch.zeros_like(out)
         dout = dout.contiguous()
@@ -236,16 +262,18 @@ class _SparsePrefill(torch.autograd.Function):
             delta = delta - dlse.float()
         launches, (dq, dk, dv, dcis) = backward_plan(q, k, v, cis, sel, positions, union, count, dout, lse,
                                                      delta.contiguous(), block_size, scale, tile)
-        for name, grid, args, consts, warps in launches:
-            kernels()[name][grid](*args, **consts, num_warps=warps)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), dcis.to(ctx.cis_dtype), None, None, None, None, None
+        for name, grid, args, consts, _ in launches:
+            kernels()[name][grid](*args, **consts, **launch_options(name, launch))
+        return dq, dk.to(k.dtype), dv.to(v.dtype), dcis.to(ctx.cis_dtype), None, None, None, None, None, None
 
 
-def sparse_prefill(q, k, v, cis, sel, positions, block_size: int, scale: float, tile: int | None = None):
+def sparse_prefill(q, k, v, cis, sel, positions, block_size: int, scale: float, tile: int | None = None,
+                   launch: dict | None = None):
     """Triton forward and backward (autograd): (out [n, Hq, Dv], lse [n, Hq] fp32) as the reference.
     CUDA tensors, or CPU tensors under TRITON_INTERPRET=1. ``tile``: query rows per program
-    (default: ``choose_tile``)."""
-    out, lse = _SparsePrefill.apply(q, k, v, cis, sel, positions, block_size, scale, tile)
+    (default: ``choose_tile``); ``launch``: num_warps / num_stages per kernel over ``LAUNCH``
+    (see ``launch_options``)."""
+    out, lse = _SparsePrefill.apply(q, k, v, cis, sel, positions, block_size, scale, tile, launch)
     return out, lse
 
 

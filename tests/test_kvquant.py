@@ -173,3 +173,30 @@ def test_recall_dequantizes_from_pinned_host_memory(fmt):
     torch.cuda.synchronize()
     for got, w in zip(dst, want):
         assert torch.equal(got.cpu(), w)
+
+
+@pytest.mark.parametrize("fmt", [torch.int8, torch.float8_e4m3fn])
+def test_the_pools_dtype_changes_no_selected_block(fmt):
+    """The serving decode step (nosa.bench.decode_harness, offloading on) with a quantized host pool
+    against the model-dtype pool, same inputs: every step selects the same blocks in every layer and
+    row (the compressed keys and eviction scores stay exact), while the outputs differ by the recalled
+    blocks' rounding (the quantized pool is the one attended)."""
+    from nosa import NosaConfig
+    from nosa.bench.decode_harness import DecodeHarness
+
+    cfg = NosaConfig(block_size=16, compress_kernel=8, compress_stride=4, sink_blocks=1, window_blocks=3,
+                     topk_blocks=8, query_blocks=3, dense_len=64)
+    exact, quantized = (DecodeHarness(cfg, [40, 150, 203], offload=True, seed=1, host_kv_dtype=d) for d in (None, fmt))
+    differ = 0.0
+    for step in range(30):
+        q, k, v = exact.new_tokens(step)
+        outs = []
+        for h in (exact, quantized):
+            h.begin([1, 2, 3])
+            outs.append(h.forward(q, k, v))
+        for layer, (a, b) in enumerate(zip(exact.states.pool.selection, quantized.states.pool.selection)):
+            assert torch.equal(a[1:], b[1:]), (step, layer)
+        differ = max(differ, float((outs[0] - outs[1]).abs().max()))
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0.3)
+    assert differ > 1e-3
+    assert quantized.engine.cache.stats["misses"][0] > 0  # blocks were recalled (dequantized) every few steps

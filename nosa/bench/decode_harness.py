@@ -42,6 +42,25 @@ class _TokenPool:
         return self.v_buffer[layer]
 
 
+class _ExactPrompts:
+    """The offload engine, whose views read a prompt's keys exact (``OffloadKV.exact_keys``): with a
+    quantized host pool the server builds the prompt's compressed keys in its prefill, from the
+    model's keys, so a state catching up on the prompt here must read those too."""
+
+    def __init__(self, engine, req_to_token: torch.Tensor, prompt_k: list[torch.Tensor]):
+        self._engine, self._req_to_token, self._prompt_k = engine, req_to_token, prompt_k
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def view(self, layer: int, metadata: ForwardMetadata, *args, **kwargs):
+        view = self._engine.view(layer, metadata, *args, **kwargs)
+        for i, (row, length) in enumerate(zip(metadata.rows, metadata.lengths)):
+            slots = self._req_to_token[row, :length].long().cpu()
+            view.exact_keys[i] = (0, self._prompt_k[layer][slots].to(view.device))
+        return view
+
+
 class _HostPool:
     """The page-major host pool of nosa.serve.offload.host_pool.HostKVPool: K, V [P, Hkv, B, D] and
     cis [P, Hkv, B] per layer (pinned on CUDA); item ``page * Hkv + h``."""
@@ -121,6 +140,8 @@ class DecodeHarness:
             self.engine = OffloadEngine(runner, cfg, cache)
             registry.attach_offload(self.engine)
             kv, spare = self.engine, cache.spare_group
+            if host_kv_dtype is not None:  # the server prefills from the exact keys, not the pool's
+                kv = _ExactPrompts(self.engine, self.req_to_token, prompt_k)
         else:
             self.pool = _TokenPool([k.to(self.device) for k in prompt_k], [v.to(self.device) for v in prompt_v])
             self.cis = prompt_cis
