@@ -12,8 +12,9 @@
 # Budget: under 8 minutes on one GPU ($GPU_CHECK_BUDGET_S, default 460 s): every step has its own
 # timeout, cut to what is left of the budget (a step that would get under 15 s is skipped, rc 125),
 # and a failing step does not stop the others; $GPU_CHECK_ONLY="env tests ..." runs only the steps it
-# names (a rerun after a fix). $OUT/summary.json lists each step's exit status and
-# seconds, and what happened to FlashInfer (install, JIT build of the NOSA variant).
+# names (a rerun after a fix; "tune_prefill", the prefill launch sweep, runs only so). $OUT/summary.json
+# lists each step's exit status and seconds, and what happened to FlashInfer (install, JIT build of
+# the NOSA variant).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -84,6 +85,18 @@ step bench_kernels 150 env -u NOSA_DECODE_IMPL $PY scripts/bench_kernels.py --qu
 #    selections, eager vs replay ms). Needs no SGLang. Dry run on CPU: scripts/graph_check.py --device cpu
 step graph_check 120 $PY scripts/graph_check.py --device cuda --out "$OUT/graph_check.json"
 
+# 5b. optional, only when $GPU_CHECK_ONLY names it (never in the default set: ~4 minutes): the launch
+#    sweep of the block-sparse prefill kernels (num_warps x num_stages x query tile at the prefill
+#    shape above, each config checked against the default, interleaved with dense SDPA), within
+#    $GPU_CHECK_TUNE_BUDGET_S (default 200 s):
+#    run(command="GPU_CHECK_ONLY=tune_prefill GPU_CHECK_FLASHINFER=0 bash scripts/gpu_check.sh", timeout_s=330)
+if [[ " ${GPU_CHECK_ONLY:-} " == *" tune_prefill "* ]]; then
+    step tune_prefill 280 $PY scripts/tune_sparse_prefill.py --budget-s "${GPU_CHECK_TUNE_BUDGET_S:-200}" \
+        --out "$OUT/tune_prefill.json"
+else
+    echo "tune_prefill 126 0" >> "$STEPS"  # not asked for
+fi
+
 # FlashInfer last: its install and JIT build are the slowest steps and only decide an option's default.
 # GPU_CHECK_FLASHINFER=0 skips it (the wheels are ~60 MiB of the call's 64 MiB carry; without them and
 # without a registry pip would only wait on the network).
@@ -131,6 +144,10 @@ if os.path.exists(kernels):  # Triton vs FlashInfer per decode row: which should
     rows = json.load(open(kernels)).get("decode_slots", [])
     summary["decode_faster"] = [{k: r.get(k) for k in ("context", "batch", "faster", "triton_over_flashinfer",
                                                         "flashinfer")} for r in rows]
+tune = os.path.join(out, "tune_prefill.json")
+if os.path.exists(tune):  # the prefill launch sweep: the best config per pass, the per-kernel pick
+    tuned = json.load(open(tune))
+    summary["tune_prefill"] = {k: tuned.get(k) for k in ("best", "recommended", "notes")}
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 print(json.dumps(summary)[:3000])
 PY

@@ -2,11 +2,18 @@
 its gradients against finite differences (fp64), and the Triton forward and backward against an
 fp64 reference. Without CUDA the kernels run under TRITON_INTERPRET=1 (conftest.py)."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from nosa import NosaConfig, nosa_prefill
-from nosa.kernels.sparse_prefill import sparse_prefill, sparse_prefill_reference, tile_unions
+from nosa.kernels.sparse_prefill import LAUNCH, sparse_prefill, sparse_prefill_reference, tile_unions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # ||x - ref|| / ||ref||, fp64 reference
@@ -123,3 +130,52 @@ def test_sparse_prefill_rejects_bad_input():
     with pytest.raises(ValueError, match="multiple of Hkv"):
         sparse_prefill_reference(q[:, :1].expand(8, 3, 16), torch.zeros(48, 2, 16), torch.zeros(48, 2, 16),
                                  torch.zeros(48, 2), sel.expand(8, 2, 3), positions, 16, 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_launch_options_change_no_result(dtype):
+    """A non-default launch (8 warps and 2 stages for every kernel, a smaller tile) computes what the
+    default does (scripts/tune_sparse_prefill.py sweeps them; the interpreter ignores warps and stages,
+    a GPU compiles other code for them)."""
+    q, k, v, cis, sel, positions = case(100, 24, 4, 2, 16, 16, 4, seed=3)
+    g = torch.Generator().manual_seed(5)
+    dout, dlse = torch.randn(24, 4, 16, generator=g).to(DEVICE), torch.randn(24, 4, generator=g).to(DEVICE)
+    sel, positions = sel.to(DEVICE), positions.to(DEVICE)
+    results = []
+    # tile 4: 8 matrix rows at G = 2, below every tile choose_tile weighs (32, 16, 8)
+    for tile, launch in ((None, None), (4, {name: {"num_warps": 8, "num_stages": 2} for name in LAUNCH})):
+        inputs = [t.to(DEVICE, dt).requires_grad_() for t, dt in zip((q, k, v, cis), (dtype,) * 3 + (torch.float32,))]
+        out, lse = sparse_prefill(*inputs, sel, positions, 16, 0.25, tile=tile, launch=launch)
+        ((out.float() * dout).sum() + (lse * dlse).sum()).backward()
+        results.append([out, lse] + [t.grad for t in inputs])
+    for name, got, want in zip("out lse dq dk dv dcis".split(), *results):
+        assert rel(got.cpu(), want.cpu()) < TOL[dtype], name
+    with pytest.raises(ValueError, match="unknown kernels"):
+        sparse_prefill(*inputs, sel, positions, 16, 0.25, launch={"fwd": {"num_warps": 8}})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run; on a GPU the sweep runs in gpu_check.sh")
+def test_tune_script_cpu_smoke(tmp_path):
+    """scripts/tune_sparse_prefill.py --cpu-smoke under the interpreter writes the sweep's JSON; without
+    it (and without CUDA) the script says in one line that it needs a GPU."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    script = os.path.join(ROOT, "scripts", "tune_sparse_prefill.py")
+    out = tmp_path / "tune.json"
+    run = subprocess.run([sys.executable, script, "--cpu-smoke", "--out", str(out)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for key in ("provenance", "shape", "grid", "dense_ms", "default", "configs", "best", "recommended", "notes"):
+        assert key in result, key
+    (config,) = result["configs"]
+    assert config["ok"] and config["num_warps"] == 8 and config["num_stages"] == 2
+    assert set(config["max_abs_diff"]) == {"out", "lse", "dq", "dk", "dv", "dcis"}
+    for p in ("forward", "forward_backward"):
+        assert config[f"{p}_ms"] > 0 and result["dense_ms"][p] > 0
+        assert {"config", "ms", "speedup_vs_default", "speedup_vs_dense"} <= set(result["best"][p])
+    assert result["default"]["launch"] == LAUNCH and set(result["recommended"]["launch"]) == set(LAUNCH)
+    env.pop("TRITON_INTERPRET")
+    run = subprocess.run([sys.executable, script, "--quick"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
+        "tune_sparse_prefill: needs a CUDA GPU (without one: TRITON_INTERPRET=1 ... --cpu-smoke)")
