@@ -194,7 +194,11 @@ def block_work(union, count, num_blocks: int, chunk: int = CHUNK_TILES):
 
 # The launches as first written and measured (results/gpu_h200.json); num_stages unset: Triton's
 # default. scripts/tune_sparse_prefill.py times the alternatives before any of these changes.
-LAUNCH = {"forward": {"num_warps": 4}, "dq": {"num_warps": 8}, "dkdv": {"num_warps": 8}}
+# Chosen on an H200 by scripts/tune_sparse_prefill.py at the benchmark's 32K shape (results/gpu_h200.json,
+# "tune_prefill"): two stages for the forward, one for the backward (whose loads the pipeline only delays),
+# four warps everywhere; 1.22x the forward and 1.66x the forward + backward of the earlier 4 / 8 / 8 warps.
+LAUNCH = {"forward": {"num_warps": 4, "num_stages": 2}, "dq": {"num_warps": 4, "num_stages": 1},
+          "dkdv": {"num_warps": 4, "num_stages": 1}}
 
 
 def launch_options(name: str, launch: dict | None = None) -> dict:
