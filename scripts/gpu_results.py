@@ -1,10 +1,12 @@
 """Join what scripts/gpu_check.sh wrote into results/gpu_h200.json (the docs render it: docs/kernels.md).
 
-    python scripts/gpu_results.py DIR [DIR ...] [--out results/gpu_h200.json]
+    python scripts/gpu_results.py DIR [DIR ...] [--out results/gpu_h200.json] [--base results/gpu_h200.json]
 
 Each DIR is one run's $OUT (its summary.json, the JSON of the steps it ran and logs.tar.gz). Later
 folders win where two ran the same step, so a rerun of a few steps after a fix (GPU_CHECK_ONLY) joins
-the earlier run's other steps; every part keeps its own provenance under "parts".
+the earlier run's other steps; every part keeps its own provenance under "parts". ``--base`` starts
+from a file joined earlier (a later session's runs, whose earlier folders are gone, replace only the
+steps they ran).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 from nosa.bench.results import write_result
 
-STEP_FILES = {"bench_kernels": "kernels_gpu.json", "bench_recall": "recall_gpu.json", "graph_check": "graph_check.json"}
+STEP_FILES = {"bench_kernels": "kernels_gpu.json", "bench_recall": "recall_gpu.json", "graph_check": "graph_check.json",
+              "tune_prefill": "tune_prefill.json"}
 
 
 def logs(folder: Path) -> dict[str, str]:
@@ -49,9 +52,15 @@ def main() -> None:
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--out", default="results/gpu_h200.json")
     parser.add_argument("--note", default="", help="added to the provenance's note (e.g. which tree each run ran)")
+    parser.add_argument("--base", type=Path, help="a file joined earlier: its steps stay where the folders ran none")
     args = parser.parse_args()
     result: dict = {"runs": []}
     parts: dict[str, dict] = {}  # step -> the provenance of the part kept (a later run's replaces it)
+    if args.base:
+        base = json.loads(args.base.read_text())
+        earlier = base.pop("provenance", {}).get("note", "")
+        parts = {part["step"]: part for part in base.pop("parts", [])}
+        result = base
     for folder in args.folders:
         summary = json.loads((folder / "summary.json").read_text())
         text = logs(folder)
@@ -75,6 +84,8 @@ def main() -> None:
     data = json.loads(Path(args.out).read_text())
     data["provenance"]["machine"] = result["parts"][0]["machine"] if result["parts"] else None
     data["provenance"]["note"] = f"Measured by scripts/gpu_check.sh on the lent GPU; joined here. {args.note}".strip()
+    if args.base:
+        data["provenance"]["note"] += f" Started from {args.base} as joined before, whose note said: {earlier}"
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {args.out}")
 

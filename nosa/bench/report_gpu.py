@@ -60,6 +60,36 @@ def gpu_kernels(root: Path) -> str:
 
 
 @renders(GPU)
+def gpu_prefill_tune(root: Path) -> str:
+    """scripts/tune_sparse_prefill.py's sweep of the sparse prefill kernel's launch."""
+    t = load(root, GPU)["tune_prefill"]
+
+    def launch(c: dict) -> str:
+        if "launch" not in c:  # one launch for the three kernels
+            return f"{c['num_warps']} warps, {c['num_stages']} stages, tile {c['tile']} rows"
+        return "; ".join(f"{name} {o['num_warps']} warps" + (f", {o['num_stages']} stages" if "num_stages" in o else "")
+                         for name, o in c["launch"].items()) + f"; tile {c['tile']} rows"
+
+    timed = [c for c in t["configs"] if "forward_ms" in c]
+    rows = [[what, launch(c), f"{c['forward_ms']:.2f}", f"{c['forward_backward_ms']:.2f}",
+             times(c["speedup_vs_dense"]["forward"]), times(c["speedup_vs_dense"]["forward_backward"])]
+            for what, c in (("before (the earlier default)", t["default"]), ("chosen (the new default)", t["recommended"]))]
+    best = t["best"]
+    return "\n".join([
+        table(["sparse prefill launch, 32K", "launch", "forward ms", "forward + backward ms", "dense / nosa forward",
+               "dense / nosa forward + backward"], rows),
+        "",
+        f"{len(timed)} launches timed (warps {t['grid']['warps']} x stages {t['grid']['stages']} x tiles "
+        f"{t['grid']['tiles']}, each checked against the earlier default's outputs and gradients first), "
+        f"interleaved with dense causal SDPA ({t['dense_ms']['forward']:.2f} / {t['dense_ms']['forward_backward']:.2f} "
+        f"ms). Fastest forward: {best['forward']['config']} ({best['forward']['ms']:.2f} ms); fastest forward + "
+        f"backward: {best['forward_backward']['config']} ({best['forward_backward']['ms']:.2f} ms). The chosen launch "
+        f"runs the forward {times(t['recommended']['speedup_vs_default']['forward'])} and the forward + backward "
+        f"{times(t['recommended']['speedup_vs_default']['forward_backward'])} as fast as the earlier one.",
+    ])
+
+
+@renders(GPU)
 def gpu_recall(root: Path) -> str:
     r = load(root, GPU)["bench_recall"]
     rows = [[f"{x['items']} ({x['bytes'] / 2**20:.0f} MiB)", f"{x['batched_gbps']:.1f}",
