@@ -73,7 +73,8 @@ def gpu_prefill_tune(root: Path) -> str:
     timed = [c for c in t["configs"] if "forward_ms" in c]
     rows = [[what, launch(c), f"{c['forward_ms']:.2f}", f"{c['forward_backward_ms']:.2f}",
              times(c["speedup_vs_dense"]["forward"]), times(c["speedup_vs_dense"]["forward_backward"])]
-            for what, c in (("before (the earlier default)", t["default"]), ("chosen (the new default)", t["recommended"]))]
+            for what, c in (("before (the earlier default)", t["default"]),
+                            ("chosen (the new default)", t["recommended"]))]
     best = t["best"]
     return "\n".join([
         table(["sparse prefill launch, 32K", "launch", "forward ms", "forward + backward ms", "dense / nosa forward",
