@@ -37,9 +37,11 @@ def _rank() -> int:
 
 
 def save(
-    engine, tokenizer, run_config: dict, out_dir: str, step: int, state: dict, keep: int = 2, zero_stage: int = 0
+    engine, tokenizer, run_config: dict, out_dir: str, step: int, state: dict, keep: int = 2, zero_stage: int = 0,
+    optimizer: bool = True,
 ) -> str:
-    """Write the checkpoint of optimizer step ``step`` (steps done) and return its path."""
+    """Write the checkpoint of optimizer step ``step`` (steps done) and return its path; without
+    ``optimizer`` (the run's save_optimizer: false) DeepSpeed's optimizer state is left out."""
     root = os.path.join(out_dir, "checkpoints")
     final = os.path.join(root, f"step-{step:06d}")
     tmp = os.path.join(root, f".tmp-step-{step:06d}")
@@ -60,7 +62,8 @@ def save(
         tokenizer.save_pretrained(tmp)
         _write_json(os.path.join(tmp, RUN_CONFIG_FILE), run_config)
         _write_json(os.path.join(tmp, STATE_FILE), dict(state, step=step))
-    engine.save_checkpoint(os.path.join(tmp, "deepspeed"), tag=DS_TAG, save_latest=False)
+    if optimizer:
+        engine.save_checkpoint(os.path.join(tmp, "deepspeed"), tag=DS_TAG, save_latest=False)
     _barrier()
     if _rank() == 0:
         if os.path.exists(final):
@@ -88,7 +91,13 @@ def save_model(model, tokenizer, run_config: dict, path: str) -> str:
 
 
 def load_engine_state(engine, path: str) -> None:
-    """Restore optimizer and scheduler state into ``engine``."""
+    """Restore optimizer and scheduler state into ``engine``; raises naming the fix when the
+    checkpoint was written without them (save_optimizer: false)."""
+    if not os.path.isdir(os.path.join(path, "deepspeed")):
+        raise ValueError(
+            f"{path} holds no optimizer state (it was written with save_optimizer: false), so the run cannot "
+            "resume inside its phase from it: start afresh (resume=null, or another out_dir), or train with "
+            "save_optimizer: true to keep resumable checkpoints")
     engine.load_checkpoint(
         os.path.join(path, "deepspeed"), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
     )

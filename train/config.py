@@ -141,6 +141,10 @@ class TrainConfig:
     eval_examples: int = 32  # held-out rows each eval reads
     save_every: int = 0  # checkpoint every N steps; 0: only at the end of each phase
     keep_checkpoints: int = 2  # newest checkpoints kept under <out_dir>/checkpoints (a phase's last always)
+    # false: checkpoints hold the model and the run's state but not DeepSpeed's optimizer state (Adam's
+    # moments and fp32 master weights: most of the bytes, and most of the time a save takes); such a
+    # checkpoint is served and evaluated as any other, but a run cannot resume inside its phase from it
+    save_optimizer: bool = True
     log_every: int = 1  # log the training metrics every N steps (and with every eval)
     stats_every: int = 0  # selection statistics of one row every N steps (0: only with the eval)
     resume: str | None = None  # a checkpoint dir, or "auto" (latest under out_dir)

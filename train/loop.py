@@ -280,7 +280,8 @@ class Phase:
         ``<out_dir>/<phase name>``."""
         cfg = self.cfg
         path = checkpoint.save(self.engine, self.tokenizer, cfg.to_dict(), cfg.out_dir, done,
-                               dict(self.state, phase=self.name), cfg.keep_checkpoints, self.zero_stage)
+                               dict(self.state, phase=self.name), cfg.keep_checkpoints, self.zero_stage,
+                               optimizer=cfg.save_optimizer)
         if last_step:
             checkpoint.mark_keep(path, self.name)
         self.print0(f"\nsaved {path}")

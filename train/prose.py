@@ -126,30 +126,61 @@ def _topics():
     return sorted(topics.items())
 
 
-@functools.lru_cache(maxsize=1)  # parsing the standard library takes seconds; it does not change
-def _docstrings() -> tuple[tuple[str, str], ...]:
-    found = []
+def _stdlib_files() -> tuple[str, list[str]]:
+    """(the standard library's folder, its .py files read for docstrings, in a fixed order)."""
     lib = sysconfig.get_paths()["stdlib"]
+    paths = []
     for root, dirs, files in os.walk(lib):
         dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("config-"))
-        for name in sorted(files):
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(root, name)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    tree = ast.parse(f.read())
-            except (SyntaxError, UnicodeDecodeError, ValueError):
-                continue
-            parts = []
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    doc = ast.get_docstring(node)
-                    if doc and len(doc) >= MIN_DOCSTRING:
-                        parts.append(doc)
-            if parts:
-                module = os.path.relpath(path, lib)[: -len(".py")].replace(os.sep, ".")
-                found.append((module, "\n\n".join(parts)))
+        paths += [os.path.join(root, name) for name in sorted(files) if name.endswith(".py")]
+    return lib, paths
+
+
+def _docstring_cache(lib: str, paths: list[str]) -> str:
+    """A file for the parsed docstrings, named by what they are read from (the files' paths, sizes and
+    times, and the MIN_DOCSTRING cut): every training run, benchmark and test process parses them
+    otherwise (seconds each)."""
+    digest = hashlib.sha256(f"{lib} {MIN_DOCSTRING}".encode())
+    for path in paths:
+        st = os.stat(path)
+        digest.update(f"{path} {st.st_size} {st.st_mtime_ns}\n".encode())
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "nosa", "prose", f"docstrings-{digest.hexdigest()[:16]}.json")
+
+
+@functools.lru_cache(maxsize=1)  # parsing the standard library takes seconds; it does not change
+def _docstrings() -> tuple[tuple[str, str], ...]:
+    lib, paths = _stdlib_files()
+    cache = _docstring_cache(lib, paths)
+    try:
+        with open(cache) as f:
+            return tuple((module, text) for module, text in json.load(f))
+    except (OSError, ValueError):
+        pass
+    found = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        parts = []
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= MIN_DOCSTRING:
+                    parts.append(doc)
+        if parts:
+            module = os.path.relpath(path, lib)[: -len(".py")].replace(os.sep, ".")
+            found.append((module, "\n\n".join(parts)))
+    try:  # written beside, then renamed: a process reading it never sees half a file
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(found, f)
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only home: parse again next time
     return tuple(found)
 
 

@@ -106,5 +106,6 @@ def sparse_ft_checkpoint(real_checkpoint, tmp_path_factory):
         "data.ruler.tasks=[passkey, niah_single]", "data.ruler.train_examples=1", "data.ruler.prose_rows=1",
         "distill.rows=2", "distill.steps=10", "steps=1", "save_every=0", "stats_every=0", "data.select_weight=0.5",
         "data.select_rows=8", "nosa.window_blocks=2", "nosa.topk_blocks=4", "progress=false", "wandb.mode=disabled",
+        "save_optimizer=false",  # served, never resumed: DeepSpeed's optimizer state would take the longest to write
     ])
     return cfg, run(cfg)

@@ -74,3 +74,18 @@ def test_cli_writes_both_splits(tmp_path, capsys):
     assert train and heldout and not set(train) & set(heldout)
     assert all(prose.is_heldout(k) for k in heldout) and not any(prose.is_heldout(k) for k in train)
     assert "heldout.jsonl" in capsys.readouterr().out
+
+
+def test_docstrings_read_back_from_the_cache_as_parsed(tmp_path, monkeypatch):
+    """The parsed standard-library docstrings are kept in a file named by what they were read from;
+    a later process reads the same documents back, and a damaged file is parsed again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    prose._docstrings.cache_clear()
+    parsed = prose._docstrings()
+    (cache,) = (tmp_path / "nosa" / "prose").iterdir()
+    prose._docstrings.cache_clear()
+    assert prose._docstrings() == parsed and len(parsed) > 100
+    cache.write_text('[["only", "this"]')  # cut short
+    prose._docstrings.cache_clear()
+    assert prose._docstrings() == parsed
+    prose._docstrings.cache_clear()

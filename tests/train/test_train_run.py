@@ -248,3 +248,23 @@ def test_a_hybrid_gemma3_trains_and_its_checkpoint_keeps_the_sliding_layers_dens
     ids = torch.randint(3, 200, (1, 200))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_a_checkpoint_without_optimizer_state_serves_but_does_not_resume(first, tmp_path):
+    """save_optimizer: false writes the model and the run's state, no DeepSpeed state; the model is
+    the one the full checkpoint holds, and resuming inside the phase from it stops naming the fix."""
+    cfg, _ = first
+    overrides = [f"out_dir={tmp_path}/lean", f"data.synthetic.dir={cfg.data.synthetic.dir}", "dense_steps=1",
+                 "steps=2", "save_every=1", "save_optimizer=false", "wandb.mode=disabled"]
+    run(load_config(SMOKE, overrides))
+    lean = os.path.join(tmp_path, "lean", "checkpoints", "step-000002")
+    full = os.path.join(cfg.out_dir, "checkpoints", "step-000002")
+    assert not os.path.exists(os.path.join(lean, "deepspeed")) and os.path.isdir(os.path.join(full, "deepspeed"))
+    ids = torch.randint(0, 100, (1, 64))
+    with torch.no_grad():
+        logits = [nosa.from_pretrained(p).eval()(ids).logits for p in (lean, full)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    resumed = [f"out_dir={tmp_path}/again", f"data.synthetic.dir={cfg.data.synthetic.dir}", "dense_steps=1",
+               "steps=3", f"resume={lean}", "wandb.mode=disabled"]
+    with pytest.raises(ValueError, match="no optimizer state.*save_optimizer: false.*resume=null"):
+        run(load_config(SMOKE, resumed))
