@@ -146,10 +146,13 @@ def gpu_row(gpu: dict) -> list[str]:
     slots = {r["context"]: r for r in gpu["bench_kernels"]["decode_slots"]}
     big = max(r["items"] for r in gpu["bench_recall"]["host_dtypes"])
     q = next(r for r in gpu["bench_recall"]["host_dtypes"] if r["items"] == big)
+    p = gpu["bench_kernels"]["prefill"][0]
     return ["H200 (Llama-3-8B heads, bf16): Triton slot decode over FlashAttention decode at "
-            + " / ".join(f"{c // 1024}K" for c in sorted(slots)) + f"; recall of {big} blocks from an int8 / fp8 "
-            "host pool: bytes and speed-up vs bf16",
+            + " / ".join(f"{c // 1024}K" for c in sorted(slots)) + f"; block-sparse prefill at {p['context'] // 1024}K "
+            "(forward / with backward) over FlashAttention; recall of "
+            f"{big} blocks from an int8 / fp8 host pool: bytes and speed-up vs bf16",
             " / ".join(times(slots[c]["dense_over_nosa"]) for c in sorted(slots))
+            + f"; {times(p['dense_over_nosa_fwd'])} / {times(p['dense_over_nosa_fwd_bwd'])}"
             + f"; {pct(q['int8_bytes_over_bf16'], 0)} of the bytes, {times(q['int8_speedup_over_bf16'])} / "
             f"{times(q['float8_e4m3fn_speedup_over_bf16'])}", "`results/gpu_h200.json`"]
 
