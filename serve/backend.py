@@ -43,6 +43,7 @@ from nosa.serve.offload.kv import exact_prefill_keys
 from nosa.serve.offload.settings import offload_enabled
 from nosa.serve.parallel import KVHeadShard
 from nosa.serve.registry import RequestRegistry
+from nosa.serve.startup import check_hybrid_offload
 from nosa.serve.window import PoolWindows, RingWindows
 from nosa.state_pool import StatePool, pages_for
 
@@ -120,10 +121,7 @@ class NosaAttnBackend(AttentionBackend):
         window = text_config.sliding_window
         if self.offload is None:
             return PoolWindows(self.token_to_kv_pool, self.req_to_token_pool.req_to_token, window)
-        if not model_runner.server_args.disable_radix_cache:
-            raise ValueError(
-                "nosa backend: offloading a hybrid model (sliding-window layers) needs --disable-radix-cache: "
-                "the sliding layers' windows live on the device per request, so a cached prefix has none")
+        check_hybrid_offload(len(sliding), model_runner.server_args.disable_radix_cache)
         pool = self.token_to_kv_pool
         rings = RingWindows(sliding, self.req_to_token_pool.req_to_token.shape[0], window, self.num_kv_heads,
                             self.head_dim, pool.v_head_dim, pool.dtype, self.device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from nosa.after_import import when_imported
 from nosa.checkpoint_format import MODEL_TYPES
-from nosa.serve import cuda_graphs, parallel, validate
+from nosa.serve import cuda_graphs, parallel, startup, validate
 from nosa.serve.offload import admission
 from nosa.serve.offload.settings import OffloadSettings, offload_enabled
 
@@ -36,6 +36,7 @@ def register() -> None:
     validate.install()
     cuda_graphs.install()  # CUDA: decode graphs on, prefill graphs off where nosa serves prefill, logged
     parallel.install()  # CPU only: --tp-size N starts without PyNccl (SGLang asks for it regardless)
+    startup.install()  # offloading settings that cannot work stop the launcher, before any scheduler starts
     _install_offload_hooks()
     _register_checkpoint_format()
 

@@ -58,7 +58,8 @@ def share_text(s: dict) -> str:
 # ---- the headline (README and the results page) -------------------------------------------------
 @renders("results/accuracy.json", "results/longctx.json", "results/ruler.json", "results/ruler_ft.json",
          "results/serve_ask_smollm2.json", "results/offload.json", "results/serve_smollm2_8k_rank_short.json",
-         "results/serve.json", "results/gemma3_serve.json", "results/gpu_h200.json", "results/ruler_host_kv.json")
+         "results/serve.json", "results/gemma3_serve.json", "results/gpu_h200.json", "results/ruler_host_kv.json",
+         "results/serve_host_kv.json")
 def headline(root: Path) -> str:
     acc = {(r["variant"], r["length"]): r for r in load(root, "results/accuracy.json")["results"]}
     tiny = [acc[(v, 512)] for v in ("dense", "training_free", "nosa_finetuned")]
@@ -124,20 +125,25 @@ def headline(root: Path) -> str:
          f"{gemma['capacity']['nosa_offload_requests']}; {times(gemma['decode_speed_nosa_over_native'])}",
          "`results/gemma3_serve.json`"],
         gpu_row(load(root, "results/gpu_h200.json")),
-        host_kv_row(load(root, "results/ruler_host_kv.json")),
+        host_kv_row(load(root, "results/ruler_host_kv.json"), load(root, "results/serve_host_kv.json")),
     ]
     return table(["what", "measured", "data"], rows)
 
 
-def host_kv_row(data: dict) -> list[str]:
-    """The headline's quantized host KV row: RULER with the pool in the model's dtype, int8, fp8."""
+def host_kv_row(data: dict, served: dict) -> list[str]:
+    """The headline's quantized host KV row: RULER with the pool in the model's dtype, int8, fp8, and
+    the served decode speed with offloading on over off per dtype."""
     n = data["lengths"][0]
     score = {r["variant"]: r["task_mean"] for r in data["results"] if r["length"] == n}
     names = [v for v in score if v.startswith("A = 0")]
     ratio = kvquant.bytes_per_token(64, 64, torch.int8) / kvquant.bytes_per_token(64, 64, torch.bfloat16)
+    onoff = [paired_speed(served, f"offload_sched{k}_over_nosa")["median"] for k in ("", "_int8", "_fp8")]
+    context = served["results"][0]["context"] // 1024
     return [f"SmolLM2 on RULER at {n // 1024}K, A = 0 at 1/4, the host KV pool in the model's dtype / int8 / fp8 "
-            "(NOSA_HOST_KV_DTYPE): score; host bytes per token against a bf16 pool's",
-            " / ".join(f"{100 * score[v]:.1f}" for v in names) + f"; {ratio:.2f}x", "`results/ruler_host_kv.json`"]
+            "(NOSA_HOST_KV_DTYPE): score; host bytes per token against a bf16 pool's; decode speed with offloading "
+            f"on over off, same dtypes (tiny model served at {context}K, median of paired rounds)",
+            " / ".join(f"{100 * score[v]:.1f}" for v in names) + f"; {ratio:.2f}x; "
+            + " / ".join(f"{x:.2f}" for x in onoff), "`results/ruler_host_kv.json`, `results/serve_host_kv.json`"]
 
 
 def gpu_row(gpu: dict) -> list[str]:
