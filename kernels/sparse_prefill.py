@@ -192,8 +192,6 @@ def block_work(union, count, num_blocks: int, chunk: int = CHUNK_TILES):
     return work, tile_list.contiguous()
 
 
-# The launches as first written and measured (results/gpu_h200.json); num_stages unset: Triton's
-# default. scripts/tune_sparse_prefill.py times the alternatives before any of these changes.
 # Chosen on an H200 by scripts/tune_sparse_prefill.py at the benchmark's 32K shape (results/gpu_h200.json,
 # "tune_prefill"): two stages for the forward, one for the backward (whose loads the pipeline only delays),
 # four warps everywhere; 1.22x the forward and 1.66x the forward + backward of the earlier 4 / 8 / 8 warps.
@@ -214,8 +212,9 @@ def launch_options(name: str, launch: dict | None = None) -> dict:
     return {**LAUNCH[name], **launch.get(name, {})}
 
 
-def backward_plan(q, k, v, cis, sel, positions, union, count, dout, lse, delta, block_size, scale, tile):
-    """Launches of the backward as [(kernel name, grid, args, constexprs, default num_warps)] and (dq, dk, dv,
+def backward_plan(q, k, v, cis, sel, positions, union, count, dout, lse, delta, block_size, scale, tile,
+                  launch: dict | None = None):
+    """Launches of the backward as [(kernel name, grid, args, constexprs, launch options)] and (dq, dk, dv,
     dcis): "dq" walks each tile's union (query-major, no atomics); "dkdv" walks, per (KV head, block),
     the tiles that read the block (key-major), in chunks of CHUNK_TILES tiles whose partial sums go
     into fp32 dk, dv, dcis with one atomic add per element and chunk."""
@@ -234,8 +233,8 @@ def backward_plan(q, k, v, cis, sel, positions, union, count, dout, lse, delta, 
     work, tiles = block_work(union, count, -(-length // block_size))
     dkdv_args = common + [work, tiles, dk, dv, dcis, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                           dcis.stride(0)]
-    launches = [("dq", (union.shape[0], hkv), dq_args, consts, LAUNCH["dq"]["num_warps"]),
-                ("dkdv", (max(1, work.shape[0]),), dkdv_args + [work.shape[0]], consts, LAUNCH["dkdv"]["num_warps"])]
+    launches = [("dq", (union.shape[0], hkv), dq_args, consts, launch_options("dq", launch)),
+                ("dkdv", (max(1, work.shape[0]),), dkdv_args + [work.shape[0]], consts, launch_options("dkdv", launch))]
     return launches, (dq, dk, dv, dcis)
 
 
@@ -265,9 +264,9 @@ class _SparsePrefill(torch.autograd.Function):
         if dlse is not None:
             delta = delta - dlse.float()
         launches, (dq, dk, dv, dcis) = backward_plan(q, k, v, cis, sel, positions, union, count, dout, lse,
-                                                     delta.contiguous(), block_size, scale, tile)
-        for name, grid, args, consts, _ in launches:
-            kernels()[name][grid](*args, **consts, **launch_options(name, launch))
+                                                     delta.contiguous(), block_size, scale, tile, launch)
+        for name, grid, args, consts, options in launches:
+            kernels()[name][grid](*args, **consts, **options)
         return dq, dk.to(k.dtype), dv.to(v.dtype), dcis.to(ctx.cis_dtype), None, None, None, None, None, None
 
 

@@ -37,25 +37,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nosa.bench.kernel_speed import prefill_selection
+from nosa.bench.kernel_speed import CUDA_PREFILL_CONTEXT, CUDA_SHAPE, dense_prefill_inputs, prefill_inputs
 from nosa.bench.results import write_result
 from nosa.kernels import sparse_prefill as sp
 
-# nosa.bench.kernel_speed.run's CUDA prefill row (its shape dict, topk as the prefill section uses it)
-SHAPE = dict(context=32768, hq=32, hkv=8, d=128, block=64, topk=64, dtype=torch.bfloat16)
+SHAPE = dict(context=CUDA_PREFILL_CONTEXT, **CUDA_SHAPE)  # nosa.bench.kernel_speed's CUDA prefill row
 SMOKE_SHAPE = dict(context=64, hq=2, hkv=1, d=16, block=16, topk=4, dtype=torch.float32)  # interpreter
 PASSES = ("forward", "forward_backward")
 
 
 def build(shape: dict, device: str):
     """Inputs as the benchmark makes them: q, k, v (leaves), cis, sel, positions, dout."""
-    n, hq, hkv, d, dtype = shape["context"], shape["hq"], shape["hkv"], shape["d"], shape["dtype"]
-    q, k, v = (torch.randn(m, h, d, device=device).to(dtype).requires_grad_() for m, h in ((n, hq), (n, hkv), (n, hkv)))
-    cis = (torch.randn(n, hkv, device=device) * 0.1).requires_grad_()
-    sel = prefill_selection(n, hkv, shape["block"], shape["topk"], min(17, shape["topk"] - 2), device, None)
-    positions = torch.arange(n, device=device)
-    dout = torch.randn(n, hq, d, device=device).to(dtype)
-    return q, k, v, cis, sel, positions, dout
+    return prefill_inputs(**shape, device=device, g=None)
 
 
 def sparse_fns(inputs, shape, tile, launch):
@@ -77,10 +70,7 @@ def sparse_fns(inputs, shape, tile, launch):
 def dense_fns(inputs, shape):
     """Dense causal SDPA forward and forward + backward, as the benchmark's baseline."""
     q, k, v, _, _, _, dout = inputs
-    group = shape["hq"] // shape["hkv"]
-    qd = q.detach().transpose(0, 1)[None].requires_grad_()
-    kd, vd = (x.detach().repeat_interleave(group, dim=1).transpose(0, 1)[None].requires_grad_() for x in (k, v))
-    dd = dout.transpose(0, 1)[None]
+    qd, kd, vd, dd = dense_prefill_inputs(q, k, v, dout, shape["hq"] // shape["hkv"])
 
     def forward():
         with torch.no_grad():

@@ -31,8 +31,9 @@ SHARED_LIMIT = {90: 232448, 80: 166912}  # bytes of shared memory one block may 
 SHAPES = [("llama3_8b", 32, 8, 128, 64, 64), ("tiny", 4, 2, 16, 16, 8)]
 
 
-def compile_kernel(kernel, args, consts, arch, num_warps, fp32=False):
-    """triton.compile for ("cuda", arch) with the signature of the given launch arguments."""
+def compile_kernel(kernel, args, consts, arch, num_warps, fp32=False, num_stages=None):
+    """triton.compile for ("cuda", arch) with the signature of the given launch arguments (and the
+    launch's num_stages where it sets one)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -52,7 +53,8 @@ def compile_kernel(kernel, args, consts, arch, num_warps, fp32=False):
             signature[name] = "i64" if abs(int(given[name])) >= 2**31 else "i32"
     consts = dict(consts, IEEE=fp32) if "IEEE" in consts else consts  # what a GPU runs for this dtype
     src = ASTSource(fn=kernel, signature=signature, constexprs=consts)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     assert compiled.asm.get("cubin"), "no cubin produced"
     return compiled
 
@@ -111,14 +113,15 @@ def sparse_prefill_case(arch, shape, tile=None):
     union = torch.zeros(tiles, hkv, topk, dtype=torch.int32)
     count = torch.zeros(tiles, hkv, dtype=torch.int32)
     grid, args, consts, out, lse = sparse_prefill.forward_plan(q, k, v, cis, sel, pos, union, count, block, 0.1, tile)
-    fwd = compile_kernel(sparse_prefill.kernels()["forward"], args, consts, arch, num_warps=4)
+    fwd = compile_kernel(sparse_prefill.kernels()["forward"], args, consts, arch,
+                         **sparse_prefill.launch_options("forward"))
     delta = torch.zeros(n, hq)
     union[:, :, 1] = 1
     count.fill_(2)
     launches, _ = sparse_prefill.backward_plan(q, k, v, cis, sel, pos, union, count, out, lse, delta, block, 0.1, tile)
     assert [name for name, *_ in launches] == ["dq", "dkdv"]
-    for name, _, args, consts, warps in launches:
-        bwd = compile_kernel(sparse_prefill.kernels()[name], args, consts, arch, num_warps=warps)
+    for name, _, args, consts, options in launches:
+        bwd = compile_kernel(sparse_prefill.kernels()[name], args, consts, arch, **options)
     assert fwd.metadata.shared <= SHARED_LIMIT[arch] and bwd.metadata.shared <= SHARED_LIMIT[arch]
 
 

@@ -24,6 +24,8 @@ from nosa.kernels.sparse_prefill import sparse_prefill_reference
 from nosa.select import query_block_scores
 
 DEVICE = "cpu"
+CUDA_SHAPE = dict(hq=32, hkv=8, d=128, block=64, topk=64, dtype=torch.bfloat16)  # Llama-3-8B heads, the released budget
+CUDA_PREFILL_CONTEXT = 32768  # the prefill row on CUDA (scripts/tune_sparse_prefill.py sweeps its launch)
 
 
 def randn(*shape, dtype=torch.float32) -> torch.Tensor:
@@ -151,14 +153,28 @@ def prefill_selection(context, hkv, block, topk, window, device, g):
     return torch.cat([sink, win, rows, rand], -1)  # [n, Hkv, topk]; duplicates only cost time
 
 
-def prefill(context, hq, hkv, d, block, topk, dtype, device, repeats, g):
-    q = randn(context, hq, d, dtype=dtype).requires_grad_()
-    k = randn(context, hkv, d, dtype=dtype).requires_grad_()
-    v = randn(context, hkv, d, dtype=dtype).requires_grad_()
-    cis = (randn(context, hkv) * 0.1).requires_grad_()
+def prefill_inputs(context, hq, hkv, d, block, topk, dtype, device, g):
+    """The prefill section's inputs (also scripts/tune_sparse_prefill.py's): q, k, v (leaves), cis
+    (a leaf), sel, positions, dout."""
+    q, k, v = (torch.randn(n, h, d, device=device).to(dtype).requires_grad_()
+               for n, h in ((context, hq), (context, hkv), (context, hkv)))
+    cis = (torch.randn(context, hkv, device=device) * 0.1).requires_grad_()
     sel = prefill_selection(context, hkv, block, topk, min(17, topk - 2), device, g)
     positions = torch.arange(context, device=device)
-    dout = randn(context, hq, d, dtype=dtype)
+    dout = torch.randn(context, hq, d, device=device).to(dtype)
+    return q, k, v, cis, sel, positions, dout
+
+
+def dense_prefill_inputs(q, k, v, dout, group: int):
+    """The dense baseline's (q, k, v, dout) as SDPA takes them [1, Hq, n, D]: K/V heads repeated for
+    the group (leaves), so that SDPA takes its flash kernel."""
+    qd = q.detach().transpose(0, 1)[None].requires_grad_()
+    kd, vd = (x.detach().repeat_interleave(group, dim=1).transpose(0, 1)[None].requires_grad_() for x in (k, v))
+    return qd, kd, vd, dout.transpose(0, 1)[None]
+
+
+def prefill(context, hq, hkv, d, block, topk, dtype, device, repeats, g):
+    q, k, v, cis, sel, positions, dout = prefill_inputs(context, hq, hkv, d, block, topk, dtype, device, g)
 
     def sparse():
         out, _ = ops.sparse_prefill_attention(q, k, v, cis, sel, positions, block, d**-0.5)
@@ -168,11 +184,7 @@ def prefill(context, hq, hkv, d, block, topk, dtype, device, repeats, g):
         with torch.no_grad():
             ops.sparse_prefill_attention(q, k, v, cis, sel, positions, block, d**-0.5)
 
-    # dense baseline: K/V heads repeated for the group (leaves), so SDPA takes its flash kernel
-    group = hq // hkv
-    qd = q.detach().transpose(0, 1)[None].requires_grad_()
-    kd, vd = (x.detach().repeat_interleave(group, dim=1).transpose(0, 1)[None].requires_grad_() for x in (k, v))
-    dd = dout.transpose(0, 1)[None]
+    qd, kd, vd, dd = dense_prefill_inputs(q, k, v, dout, hq // hkv)
 
     def dense():
         F.scaled_dot_product_attention(qd, kd, vd, is_causal=True).backward(dd)
@@ -233,10 +245,10 @@ def run(args) -> None:
     device = DEVICE = args.device
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    if device == "cuda":  # Llama-3-8B heads: GQA 32/8, head dim 128, the released budget
-        shape = dict(hq=32, hkv=8, d=128, block=64, topk=64, dtype=torch.bfloat16)
+    if device == "cuda":
+        shape = CUDA_SHAPE
         decode_grid = [(32768, 16), (131072, 8)] if args.quick else [(32768, 16), (65536, 16), (131072, 8)]
-        prefill_grid = [32768]
+        prefill_grid = [CUDA_PREFILL_CONTEXT]
     else:  # the tiny serving model's heads, fp32
         shape = dict(hq=8, hkv=2, d=32, block=64, topk=64, dtype=torch.float32)
         decode_grid = [(8192, 4), (32768, 4)] if args.quick else [(8192, 4), (32768, 4), (65536, 4)]

@@ -64,9 +64,7 @@ def gpu_prefill_tune(root: Path) -> str:
     """scripts/tune_sparse_prefill.py's sweep of the sparse prefill kernel's launch."""
     t = load(root, GPU)["tune_prefill"]
 
-    def launch(c: dict) -> str:
-        if "launch" not in c:  # one launch for the three kernels
-            return f"{c['num_warps']} warps, {c['num_stages']} stages, tile {c['tile']} rows"
+    def launch(c: dict) -> str:  # the per-kernel launch of the default and of the recommended config
         return "; ".join(f"{name} {o['num_warps']} warps" + (f", {o['num_stages']} stages" if "num_stages" in o else "")
                          for name, o in c["launch"].items()) + f"; tile {c['tile']} rows"
 
