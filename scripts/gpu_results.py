@@ -21,7 +21,8 @@ from pathlib import Path
 from nosa.bench.results import write_result
 
 STEP_FILES = {"bench_kernels": "kernels_gpu.json", "bench_recall": "recall_gpu.json", "graph_check": "graph_check.json",
-              "tune_prefill": "tune_prefill.json"}
+              "tune_prefill": "tune_prefill.json", "flashinfer_build": "flashinfer_build.json",
+              "bench_flashinfer": "kernels_flashinfer.json"}
 
 
 def logs(folder: Path) -> dict[str, str]:
@@ -71,6 +72,8 @@ def main() -> None:
             run["tests"] = result["tests"] = junit(text["gpu_tests.xml"])
             duration = re.search(r"in ([\d.]+)s", text.get("tests.log", ""))
             result["tests"]["seconds"] = float(duration.group(1)) if duration else None
+        if "gpu_tests_flashinfer.xml" in text and summary["steps"].get("flashinfer_tests", {}).get("rc") != 126:
+            run["flashinfer_tests"] = result["flashinfer_tests"] = junit(text["gpu_tests_flashinfer.xml"])
         result["runs"].append(run)
         for step, name in STEP_FILES.items():
             path = folder / name

@@ -26,6 +26,7 @@ from nosa.select import query_block_scores
 DEVICE = "cpu"
 CUDA_SHAPE = dict(hq=32, hkv=8, d=128, block=64, topk=64, dtype=torch.bfloat16)  # Llama-3-8B heads, the released budget
 CUDA_PREFILL_CONTEXT = 32768  # the prefill row on CUDA (scripts/tune_sparse_prefill.py sweeps its launch)
+WARMUP_S = 0.2  # CUDA: seconds of untimed calls before each timing (the clocks ramp up)
 
 
 def randn(*shape, dtype=torch.float32) -> torch.Tensor:
@@ -34,8 +35,16 @@ def randn(*shape, dtype=torch.float32) -> torch.Tensor:
 
 
 def timed(fn, repeats: int, device: str) -> float:
-    """Median seconds of fn() over `repeats` runs after one warm-up."""
+    """Median seconds of fn() over `repeats` runs after a warm-up: one call on CPU; on CUDA calls for
+    at least WARMUP_S, so that an idle GPU's clocks have ramped up before the first timed call (an H200
+    idles at a few hundred MHz, and a one-call warm-up let two quick runs of one kernel differ 1.8x)."""
     fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < WARMUP_S:
+            fn()
+            torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         if device == "cuda":
@@ -254,9 +263,11 @@ def run(args) -> None:
         decode_grid = [(8192, 4), (32768, 4)] if args.quick else [(8192, 4), (32768, 4), (65536, 4)]
         prefill_grid = [2048]
     repeats = 5 if args.quick else 20
+    if device == "cuda":  # a GPU call is cheap next to a CPU one: more repeats, the median steadier
+        repeats *= 5
     sections = [s for s in args.only.split(",") if s]
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-              "threads": torch.get_num_threads(),
+              "threads": torch.get_num_threads(), "repeats": repeats,
               "shape": {k: str(v) for k, v in shape.items()}}
     for section in sections:
         rows = []

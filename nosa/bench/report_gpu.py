@@ -38,7 +38,8 @@ def gpu_kernels(root: Path) -> str:
         return "offloading on" + ("" if host == "model" else f", {host} host pool")
     lines = [
         f"Kernel tests on the GPU: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped "
-        f"({tests['seconds']:.0f} s; the skips are CPU-path tests and FlashInfer, which did not travel).",
+        f"({tests['seconds']:.0f} s; the skips are CPU-path tests and FlashInfer's, which run after it is installed"
+        + (", below)." if "flashinfer_tests" in data else "; it did not travel in that run)."),
         "",
         table(["Triton kernel vs dense (bf16, Hq 32 / Hkv 8, D 128, 64 blocks of 64)", "dense ms", "nosa ms",
                "dense / nosa"], rows),
@@ -57,6 +58,33 @@ def gpu_kernels(root: Path) -> str:
     ]
     del shape
     return "\n".join(lines)
+
+
+@renders(GPU)
+def gpu_flashinfer(root: Path) -> str:
+    """Triton vs FlashInfer slot decode (gpu_check.sh's bench_flashinfer step, after FlashInfer's JIT build)."""
+    data = load(root, GPU)
+    build, tests = data["flashinfer_build"], data.get("flashinfer_tests")
+    rows = []
+    for r in data["bench_flashinfer"]["decode_slots"]:
+        where = f"{r['context'] // 1024}K, batch {r['batch']}"
+        if "flashinfer_s" not in r:
+            rows.append([where, _ms(r["dense_s"]), _ms(r["triton_s"]), "-", "-", r.get("flashinfer", r.get("error"))])
+            continue
+        rows.append([where, _ms(r["dense_s"]), _ms(r["triton_s"]), _ms(r["flashinfer_s"]),
+                     times(r["triton_over_flashinfer"]), f"{r['faster']} (largest error vs the reference "
+                     f"{r['flashinfer_max_abs_err_vs_ref']:g})"])
+    built = (f"FlashInfer {build.get('flashinfer', '?')}: the NOSA variant's JIT module "
+             f"({build.get('module')}) built in {build['seconds']:.0f} s" if build.get("ok")
+             else f"FlashInfer's JIT build of the NOSA variant FAILED: {build.get('error', '')[-300:]}")
+    tested = (f"; its GPU test against the reference: {tests['passed']} passed, {tests['failed']} failed, "
+              f"{tests['skipped']} skipped" if tests else "")
+    return "\n".join([
+        built + tested + ".",
+        "",
+        table(["slot decode (bf16, Hq 32 / Hkv 8, D 128, 65 slots of 64 per KV head)", "dense SDPA ms", "Triton ms",
+               "FlashInfer ms", "FlashInfer's speed over Triton's", "faster"], rows),
+    ])
 
 
 @renders(GPU)
