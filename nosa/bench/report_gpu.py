@@ -79,11 +79,16 @@ def gpu_flashinfer(root: Path) -> str:
              else f"FlashInfer's JIT build of the NOSA variant FAILED: {build.get('error', '')[-300:]}")
     tested = (f"; its GPU test against the reference: {tests['passed']} passed, {tests['failed']} failed, "
               f"{tests['skipped']} skipped" if tests else "")
+    ratios = [r["triton_over_flashinfer"] for r in data["bench_flashinfer"]["decode_slots"] if "flashinfer_s" in r]
+    verdict = (f"Triton over FlashInfer: {times(1 / max(ratios))} to {times(1 / min(ratios))} as fast."
+               if ratios else "FlashInfer did not run; Triton stays the default.")
     return "\n".join([
         built + tested + ".",
         "",
         table(["slot decode (bf16, Hq 32 / Hkv 8, D 128, 65 slots of 64 per KV head)", "dense SDPA ms", "Triton ms",
                "FlashInfer ms", "FlashInfer's speed over Triton's", "faster"], rows),
+        "",
+        verdict,
     ])
 
 
