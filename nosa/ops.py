@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from nosa import env, select
-from nosa.kernels import block_scores, flashinfer_decode, recall, resolve_cpu, sparse_decode, sparse_prefill
+from nosa import env
+from nosa.kernels import flashinfer_decode, recall, resolve_cpu, sparse_decode, sparse_prefill
 from nosa.kernels import slot_decode as slot_kernel
 from nosa.kvquant import QuantizedItems
 
@@ -170,16 +170,6 @@ def sparse_prefill_attention(q, k, v, cis, sel, positions, block_size: int, scal
     if backend(q, k) == "triton":
         return sparse_prefill.sparse_prefill(q, k, v, cis, sel, positions, block_size, scale)
     return sparse_prefill.sparse_prefill_reference(q, k, v, cis, sel, positions, block_size, scale)
-
-
-# ---- selection scores -------------------------------------------------------------------------------
-def query_block_scores(q, compressed_k, positions, num_blocks: int, cfg, scale: float) -> torch.Tensor:
-    """The query-aware block scores of nosa.select.query_block_scores (its arguments and result:
-    q [R, Hq, D], compressed_k [C, Hkv, D], positions [R] -> [R, Hkv, NB] fp32), fused in one Triton
-    kernel on CUDA (nosa.kernels.block_scores); nosa.select's own torch code otherwise."""
-    if backend(q, compressed_k) == "triton":
-        return block_scores.query_block_scores_triton(q, compressed_k, positions, num_blocks, cfg, scale)
-    return select.query_block_scores(q, compressed_k, positions, num_blocks, cfg, scale)
 
 
 def use_kernels(*tensors: torch.Tensor) -> bool:

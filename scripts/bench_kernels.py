@@ -9,8 +9,6 @@ Sections (``--only`` picks some):
 - decode_paged: the paged sparse decode (offloading off): reference and, on CUDA, Triton vs dense;
 - prefill: block-sparse prefill forward + backward (nosa.ops.sparse_prefill_attention) vs dense
   causal SDPA forward + backward over the same context;
-- scores (CUDA): the selection's query-aware block scores for 4096 rows, nosa.select's torch code vs
-  the fused kernel (nosa.ops.query_block_scores), to decide whether the selection should use it.
 Shapes: on CUDA Llama-3-8B heads (Hq 32, Hkv 8, D 128, bf16, block 64, top-k 64 blocks); on CPU the
 tiny serving model's heads (Hq 8, Hkv 2, D 32, fp32). Each row also records the kernel's max error
 against the torch reference on the same inputs (CUDA). Writes JSON (default results/kernels.json).
@@ -33,7 +31,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/kernels.json")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--only", default="decode_slots,decode_paged,prefill,scores", help="comma-separated sections")
+    parser.add_argument("--only", default="decode_slots,decode_paged,prefill", help="comma-separated sections")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads (0: torch's default); on a CPU shared with other busy "
                              "processes 1 avoids OpenMP regions waiting on a descheduled thread")

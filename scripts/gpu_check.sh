@@ -68,7 +68,7 @@ step deps 30 bash -c "$PY -c 'import pytest, hypothesis; print(\"pytest\", pytes
 #    First, before anything is installed: the Triton path must not depend on FlashInfer.
 step tests 200 env -u NOSA_KERNELS -u NOSA_DECODE_IMPL $PY -m pytest -q -p no:cacheprovider -rs --durations=10 \
     --junitxml "$OUT/gpu_tests.xml" tests/test_kernels.py tests/test_kernels_recall.py tests/test_kernels_slot.py \
-    tests/test_kernels_prefill.py tests/test_kernels_dispatch.py tests/test_kernels_scores.py \
+    tests/test_kernels_prefill.py tests/test_kernels_dispatch.py \
     tests/test_kernels_flashinfer.py tests/test_kernels_gpu.py tests/test_kernels_aot.py tests/test_kvquant.py
 
 # 4. benchmarks, each a set of ratios measured side by side in one run; kernels_gpu.json's decode

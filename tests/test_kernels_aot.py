@@ -63,7 +63,7 @@ def t(*shape, dtype=torch.bfloat16):
     return torch.zeros(shape, dtype=dtype)
 
 
-from nosa.kernels import block_scores, recall, slot_decode, sparse_decode, sparse_prefill  # noqa: E402
+from nosa.kernels import recall, slot_decode, sparse_decode, sparse_prefill  # noqa: E402
 
 
 def recall_case(arch, shape):
@@ -139,16 +139,6 @@ def recall_dequant_case(arch, shape, fmt):
     compile_kernel(recall.dequant_kernels()["copy_dequant"], args, consts, arch, num_warps=4)
 
 
-def block_scores_case(arch, shape):
-    _, hq, hkv, d, block, _ = shape
-    stride, kernel = block // 4, block // 2  # the released ratios (64 / 16 / 32)
-    q, ck = t(4, hq, d), t(64, hkv, d, dtype=torch.float32 if shape[0] == "tiny" else torch.bfloat16)
-    _, args, consts, _ = block_scores.block_scores_plan(q, ck, torch.zeros(4, dtype=torch.int32), 20, block, kernel,
-                                                         stride, 0.1)
-    compiled = compile_kernel(block_scores.kernels()["scores"], args, consts, arch, num_warps=4)
-    assert compiled.metadata.shared <= SHARED_LIMIT[arch]
-
-
 def cases():
     """(case id, function, args) of every compile."""
     out = []
@@ -163,7 +153,6 @@ def cases():
                 out.append((name, slot_decode_case, (arch, shape, dtype)))
             out.append((f"paged_sparse_decode-{shape[0]}-sm{arch}", paged_sparse_decode_case, (arch, shape)))
             out.append((f"sparse_prefill-{shape[0]}-sm{arch}", sparse_prefill_case, (arch, shape)))
-            out.append((f"block_scores-{shape[0]}-sm{arch}", block_scores_case, (arch, shape)))
             if shape[0] != "tiny":  # the smallest tile choose_tile may pick: 16 matrix rows
                 small = max(1, 16 // (shape[1] // shape[2]))
                 out.append((f"sparse_prefill-{shape[0]}-tile{small}-sm{arch}", sparse_prefill_case,

@@ -1,7 +1,6 @@
 """NOSA kernels vs dense attention, timed side by side in one run (scripts/bench_kernels.py): the
 decode over the device block cache (offloading on), the paged sparse decode (offloading off), the
-block-sparse prefill forward + backward, and the selection's block scores; each row with the
-kernel's error against its torch reference on CUDA."""
+block-sparse prefill forward + backward; each row with the kernel's error against its torch reference on CUDA."""
 
 from __future__ import annotations
 
@@ -13,15 +12,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nosa import NosaConfig, ops
+from nosa import ops
 from nosa.bench.results import write_result
-from nosa.compress import compress_windows
 from nosa.kernels.flashinfer_decode import slot_decode_flashinfer
 from nosa.kernels.slot_decode import slot_decode as triton_slot_decode
 from nosa.kernels.slot_decode import slot_decode_reference
 from nosa.kernels.sparse_decode import sparse_decode, sparse_decode_reference
 from nosa.kernels.sparse_prefill import sparse_prefill_reference
-from nosa.select import query_block_scores
 
 DEVICE = "cpu"
 CUDA_SHAPE = dict(hq=32, hkv=8, d=128, block=64, topk=64, dtype=torch.bfloat16)  # Llama-3-8B heads, the released budget
@@ -216,25 +213,6 @@ def prefill(context, hq, hkv, d, block, topk, dtype, device, repeats, g):
     return row
 
 
-def scores(context, rows, hq, hkv, d, block, topk, dtype, device, repeats, g):
-    """The selection's query-aware block scores for `rows` query rows at the end of a context:
-    nosa.select's torch code vs the fused kernel (nosa.ops.query_block_scores), and their agreement."""
-    cfg = NosaConfig(block_size=block, topk_blocks=topk)
-    q = randn(rows, hq, d, dtype=dtype)
-    compressed = compress_windows(randn(context, hkv, d, dtype=dtype), cfg)
-    positions = torch.arange(context - rows, context, device=device)
-    nb = cfg.num_blocks(context)
-    args = (q, compressed, positions, nb, cfg, d**-0.5)
-    row = {"context": context, "rows": rows, "torch_s": timed(lambda: query_block_scores(*args), repeats, device),
-           "fused_s": timed(lambda: ops.query_block_scores(*args), repeats, device)}
-    row["torch_over_fused"] = row["torch_s"] / row["fused_s"]
-    want, got = query_block_scores(*args), ops.query_block_scores(*args)
-    finite = torch.isfinite(want)
-    row["same_finite_blocks"] = bool(torch.equal(finite, torch.isfinite(got)))
-    row["max_abs_err"] = (got[finite] - want[finite]).abs().max().item()
-    return row
-
-
 def guarded(fn, key: dict, **kwargs) -> dict:
     """fn(**key, **kwargs), or the error it raised (one failing size must not lose the others)."""
     try:
@@ -283,16 +261,8 @@ def run(args) -> None:
                 rows.append(guarded(prefill, dict(context=context), device=device, repeats=max(2, repeats // 4), g=g,
                                     **pshape))
                 print(section, json.dumps(rows[-1]), flush=True)
-        elif section == "scores":
-            if device != "cuda":
-                result[section] = "CUDA only (on CPU nosa.ops.query_block_scores is nosa.select's code)"
-                continue
-            for context in prefill_grid:
-                rows.append(guarded(scores, dict(context=context, rows=4096), device=device, repeats=repeats, g=g,
-                                    **shape))
-                print(section, json.dumps(rows[-1]), flush=True)
         else:
-            raise SystemExit(f"--only: unknown section {section!r} (decode_slots, decode_paged, prefill, scores)")
+            raise SystemExit(f"--only: unknown section {section!r} (decode_slots, decode_paged, prefill)")
         result[section] = rows
     write_result(args.out, result)
     print(f"wrote {args.out}")

@@ -26,7 +26,6 @@ def gpu_kernels(root: Path) -> str:
               times(r["dense_over_nosa_fwd"])] for r in k["prefill"]]
     rows += [[f"prefill forward + backward, {r['context'] // 1024}K", _ms(r["dense_fwd_bwd_s"]),
               _ms(r["nosa_fwd_bwd_s"]), times(r["dense_over_nosa_fwd_bwd"])] for r in k["prefill"]]
-    s = k["scores"][0]
     shape = k["shape"]
     graph = data["graph_check"]["results"]
     first = graph[0]
@@ -46,9 +45,6 @@ def gpu_kernels(root: Path) -> str:
         "",
         f"- Dense is SDPA (FlashAttention) over the whole context; decode rows are one step of the batch "
         f"(largest error against the torch reference {k['decode_slots'][0]['max_abs_err_vs_ref']:g}).",
-        f"- The fused block-score kernel ({s['rows']} rows at {s['context'] // 1024}K) took "
-        f"{s['fused_s'] * 1000:.0f} ms against {s['torch_s'] * 1000:.1f} ms for nosa.select's torch code "
-        f"({times(s['torch_over_fused'], 3)}): no serving or training path calls it (they call the torch code).",
         f"- The serving decode step captured in a CUDA graph (scripts/graph_check.py, {first['batch']} requests of "
         f"{min(first['prompts'])}-{max(first['prompts'])} tokens, 2 layers, {first['steps']} steps), replay vs "
         "eager ms: " + "; ".join(f"{mode(r)} {r['replay_ms']} vs {r['eager_ms']}" if r.get("ok") else
