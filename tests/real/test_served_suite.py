@@ -1,12 +1,12 @@
-"""The real model served with offloading, in short: scripts/serve_ask.py --suite asks a suite's
-prompts (512 tokens) through /v1/chat/completions of an SGLang server with offloading on and a
-device budget of a quarter of each prompt's blocks; every served reply equals the greedy reply of
-the HF NOSA model (nosa.from_pretrained) of the same checkpoint and NosaConfig.
-
-- the project's suite (nosa.train.ruler) on SmolLM2 converted to NOSA with random eviction heads
-  (A != 0), so that the served selection goes through the heads and not only the training-free part;
-- NVIDIA's RULER (--suite ruler) on the sparse-aware fine-tune (configs/train/smollm2-sparse.yaml,
-  one step at a toy size: tests/real/conftest.py), with dense's answers beside the served ones."""
+"""The real model served with offloading, in short: scripts/serve_ask.py --suite ruler asks NVIDIA's
+RULER prompts (512 tokens) through /v1/chat/completions of an SGLang server with offloading on and a
+device budget of a quarter of each prompt's blocks; every served reply equals the greedy reply of the
+HF NOSA model (nosa.from_pretrained) of the same checkpoint and NosaConfig, with dense's answers
+beside the served ones. The checkpoint is the sparse-aware fine-tune (configs/train/smollm2-sparse.yaml,
+one step at a toy size: tests/real/conftest.py), whose fitted eviction heads are non-zero (A != 0), so
+the served selection goes through the heads and not only the training-free part. (The project's own
+suite takes the same path through serve_ask with another prompt builder, nosa.bench.longctx.chat,
+tested on its own in tests/real/test_bench_longctx.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import pytest
 
 pytestmark = pytest.mark.real
 pytest.importorskip("sglang")
-from nosa.bench import tiny_checkpoint as tiny  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LENGTH, SHARE, TASKS = 512, 4, ("passkey", "qa")
@@ -39,53 +38,21 @@ def serve_ask(checkpoint: str, tmp_path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def random_heads_checkpoint(dense_model_once, real_tokenizer, tmp_path_factory):
-    if tiny.cpu_engine_missing():
-        pytest.skip(tiny.cpu_engine_missing())
-    import copy
+def test_suite_prompts_travel_as_chat_messages_that_render_back_to_them(real_tokenizer):
+    """serve_ask --suite (the project's suite): each prompt goes to the server as a user message and the
+    answer prefix, which the model's chat template (as SGLang applies it, continuing the final message)
+    renders back to the suite's prompt; a prompt that is not one chat turn is refused."""
+    from nosa.bench.longctx.chat import chat_messages, suite_examples
 
-    import nosa
-    from nosa.bench.longctx.config import budget_config, picks_share
-    from nosa.tiny import set_eviction_heads
-
-    model = copy.deepcopy(dense_model_once)
-    nosa.convert(model, budget_config(LENGTH, SHARE, picks_share(PICKS)))
-    assert model.config.nosa["query_blocks"] == 1
-    set_eviction_heads(model, scale=0.5, std=0.3, seed=0, bias_std=0.3)
-    path = tmp_path_factory.mktemp("smollm2") / "nosa"
-    model.save_pretrained(path)
-    real_tokenizer.save_pretrained(path)
-    return str(path)
-
-
-def test_served_replies_equal_the_hf_nosa_model(random_heads_checkpoint, real_tokenizer, tmp_path):
-    import torch
-
-    import nosa
-    from nosa.bench.longctx.chat import suite_examples
-
-    summary = serve_ask(random_heads_checkpoint, tmp_path, "--suite", "--tasks", *TASKS)
-    served = summary["answers"]
-    assert [a["label"] for a in served] == list(TASKS)
-
-    model = nosa.from_pretrained(random_heads_checkpoint).eval()
-    assert model.config.nosa["topk_blocks"] * SHARE * 32 == LENGTH  # the same NosaConfig as the server's
     examples = suite_examples(real_tokenizer, TASKS, LENGTH, 1)
-    for ex, answer in zip(examples, served):
-        assert answer["served_prompt_tokens"] == len(ex.prompt_ids)  # the chat messages gave the suite's prompt
-        ids = torch.tensor([ex.prompt_ids])
-        with torch.no_grad():
-            reply = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ex.max_new_tokens,
-                                   do_sample=False, pad_token_id=real_tokenizer.eos_token_id)
-        hf = real_tokenizer.decode(reply[0, ids.shape[1]:], skip_special_tokens=True)
-        assert answer["reply"] == hf, (ex.task, answer["reply"], hf)
-
-    # offloading was on and sparse: a request held a quarter of its blocks, recalled the rest
-    assert summary["device_tokens_per_request"] * SHARE == LENGTH
-    assert summary["peak_device_tokens"] <= summary["device_budget_tokens"] < summary["prompt_tokens"]
-    assert summary["decode_layer_steps"] > 0 and summary["recalled_items"] > 0
-    assert summary["requests_after"] == 0 and summary["device_slots_in_use_after"] == 0
+    assert [ex.task for ex in examples] == list(TASKS)
+    for ex in examples:
+        messages = chat_messages(real_tokenizer, ex.prompt_ids)
+        assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["content"]
+        text = real_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        assert real_tokenizer.encode(text, add_special_tokens=False) == list(ex.prompt_ids), ex.task
+    with pytest.raises(ValueError, match="not one user turn"):
+        chat_messages(real_tokenizer, real_tokenizer.encode("plain text, no chat turn", add_special_tokens=False))
 
 
 RULER_TASKS = ("niah_single_1", "niah_multivalue")  # one reference and four; RULER's vt cannot fit 512 tokens
@@ -98,6 +65,7 @@ def test_served_ruler_replies_of_the_fine_tune_equal_the_hf_nosa_model(sparse_ft
     import nosa
     from nosa.bench.longctx.suites import make_suite
     from nosa.config import NosaConfig
+    from nosa.eviction import EvictionHead
 
     cfg, _ = sparse_ft_checkpoint
     checkpoint = os.path.join(cfg.out_dir, "nosa")
@@ -108,6 +76,8 @@ def test_served_ruler_replies_of_the_fine_tune_equal_the_hf_nosa_model(sparse_ft
     assert summary["suite"] == "ruler" and [a["label"] for a in served] == list(RULER_TASKS)
 
     model = nosa.from_pretrained(checkpoint).eval()
+    heads = [m for m in model.modules() if isinstance(m, EvictionHead)]
+    assert heads and max(float(h.scale.abs().max()) for h in heads) > 0  # fitted heads: A != 0 selects too
     nosa.convert(model, NosaConfig.from_dict(summary["nosa_config"]))  # served: the suite's budget at 512, its heads
     assert model.config.nosa["topk_blocks"] * SHARE * 32 == LENGTH
     suite = make_suite("ruler", RULER_TASKS, data_dir=str(data))
@@ -127,7 +97,10 @@ def test_served_ruler_replies_of_the_fine_tune_equal_the_hf_nosa_model(sparse_ft
         assert replies[1].startswith(answer["dense"]["reply"].rstrip()), (ex.task, answer["dense"], replies[1])
     assert summary["dense_score"] == sum(a["dense"]["right"] for a in served) / len(served)
     assert summary["requests_after"] == 0 and summary["device_slots_in_use_after"] == 0
-    assert summary["recalled_items"] > 0 and summary["peak_device_tokens"] < summary["prompt_tokens"]
+    # offloading was on and sparse: a request held a quarter of its blocks, recalled the rest
+    assert summary["device_tokens_per_request"] * SHARE == LENGTH
+    assert summary["peak_device_tokens"] <= summary["device_budget_tokens"] < summary["prompt_tokens"]
+    assert summary["decode_layer_steps"] > 0 and summary["recalled_items"] > 0
     # the dense answers went into the benchmark's cache: a second run reads them back
     assert len(json.loads(next(cache.glob("dense-*.json")).read_text())) == len(RULER_TASKS)
 

@@ -3,10 +3,10 @@
 Servers started in parallel (--sleep-on-idle: an idle SGLang scheduler otherwise keeps a core busy):
 - ``nosa``: the session's ``nosa_server`` (tests/serve/conftest.py): the NOSA checkpoint (random
   non-zero eviction heads, tiny NosaConfig with dense_len 64), chunked prefill of 128 tokens, radix
-  cache on, context length 4096;
+  cache on, context length 4096 (the NOSA format: model_type nosa_llama, architecture
+  NosaLlamaForCausalLM; the legacy format, model_type llama with a 'nosa' section, is served through
+  sglang.Engine in test_engine.py);
 - ``native``: the session's ``native_server``: the same checkpoint with --attention-backend torch_native;
-- ``legacy``: the NOSA checkpoint in the legacy format (model_type llama with a 'nosa' section;
-  ``nosa`` serves the NOSA format: model_type nosa_llama, architecture NosaLlamaForCausalLM);
 - ``dense``: a dense checkpoint, NosaConfig from $NOSA_CONFIG, page size 4;
 - ``decode_only``: the NOSA checkpoint with --prefill-attention-backend torch_native
   --decode-attention-backend nosa (decode states built from a pool nosa never wrote);
@@ -45,16 +45,14 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory, legacy_copy, tiny_nosa_checkpoint):
+def ckpts(tmp_path_factory, tiny_nosa_checkpoint):
     root = tmp_path_factory.mktemp("ckpt")
     out = {
         "nosa": tiny_nosa_checkpoint,
         "dense": tiny.make_checkpoint(str(root / "dense"), None, seed=1),
     }
-    out["legacy"] = legacy_copy(out["nosa"], root / "legacy")
-    for name, model_type in (("nosa", "nosa_llama"), ("legacy", "llama")):
-        with open(os.path.join(out[name], "config.json")) as f:
-            assert json.load(f)["model_type"] == model_type
+    with open(os.path.join(out["nosa"], "config.json")) as f:
+        assert json.load(f)["model_type"] == "nosa_llama"
     return out
 
 
@@ -77,7 +75,6 @@ def servers(ckpts, tmp_path_factory, nosa_server, native_server):
     bad = _malformed_copy(ckpts["nosa"], logs / "bad_ckpt")
     own = {
         "malformed": ServerProcess(bad, ["--attention-backend", "nosa", *COMMON], str(logs / "bad.log")),
-        "legacy": ServerProcess(ckpts["legacy"], ["--attention-backend", "nosa", *COMMON], str(logs / "legacy.log")),
         "dense": ServerProcess(ckpts["dense"], ["--attention-backend", "nosa", "--page-size", "4", *COMMON],
                                str(logs / "dense.log"), env={"NOSA_CONFIG": NOSA_CFG.to_json()}),
         "decode_only": ServerProcess(ckpts["nosa"], ["--prefill-attention-backend", "torch_native",
@@ -110,14 +107,14 @@ def test_short_prompts_match_torch_native(servers):
         assert servers["nosa"].generate(prompt, new) == servers["native"].generate(prompt, new)
 
 
-@pytest.mark.parametrize("name", ["nosa", "legacy", "dense"])
+@pytest.mark.parametrize("name", ["nosa", "dense"])
 def test_long_prompts_match_hf(servers, hf_models, name):
     """Budget well below the context: the same blocks as the HF model (train == serve)."""
     differs_from_dense = False
     for length, seed in LONG:
         prompt = tiny.prompt_ids(length, seed)
         served = servers[name].generate(prompt, NEW)
-        assert served == tiny.hf_greedy(hf_models[name.replace("legacy", "nosa")], prompt, NEW), f"length {length}"
+        assert served == tiny.hf_greedy(hf_models[name], prompt, NEW), f"length {length}"
         if name == "nosa":
             differs_from_dense |= served != servers["native"].generate(prompt, NEW)
     if name == "nosa":  # otherwise the test could not tell sparse from dense attention
