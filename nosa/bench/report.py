@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from nosa.bench import report_gemma, report_gpu, report_reference, report_ruler, report_tables  # noqa: F401 (their @renders register)
+from nosa.bench import report_gemma, report_gpu, report_reference, report_ruler, report_serve, report_tables  # noqa: F401 (their @renders register)
 
 BLOCK = re.compile(r"^<!-- report:(\w+) -->\n(.*?)^<!-- /report:\1 -->$", re.M | re.S)
 CITED = re.compile(r"results/[\w.-]+\.(?:json|png)")
