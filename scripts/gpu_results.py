@@ -60,6 +60,7 @@ def main() -> None:
     if args.base:
         base = json.loads(args.base.read_text())
         earlier = base.pop("provenance", {}).get("note", "")
+        notes = base.pop("earlier_notes", []) + ([earlier] if earlier else [])
         parts = {part["step"]: part for part in base.pop("parts", [])}
         result = base
     for folder in args.folders:
@@ -82,13 +83,15 @@ def main() -> None:
                 parts[step] = dict(data.pop("provenance"), step=step, folder=folder.name)
                 result[step] = data
     result["parts"] = list(parts.values())
+    if args.base:
+        result["earlier_notes"] = notes  # the notes of the joins before, oldest first
     write_result(args.out, result)
     # the figures are the GPU machine's: its machine line, not this one's (which only joined them)
     data = json.loads(Path(args.out).read_text())
     data["provenance"]["machine"] = result["parts"][0]["machine"] if result["parts"] else None
     data["provenance"]["note"] = f"Measured by scripts/gpu_check.sh on the lent GPU; joined here. {args.note}".strip()
     if args.base:
-        data["provenance"]["note"] += f" Started from {args.base} as joined before, whose note said: {earlier}"
+        data["provenance"]["note"] += f" Started from {args.base} as joined before (its notes: earlier_notes)."
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {args.out}")
 
