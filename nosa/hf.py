@@ -104,6 +104,7 @@ def nosa_attention_forward(
                                       **kwargs)
     if dropout:
         raise ValueError("NOSA attention does not implement attention dropout; set attention_dropout=0")
+    query, key, value = common_dtype(query, key, value)
     cfg: NosaConfig = module._nosa_config
     evict: EvictionHead = getattr(module, MODULE_NAME)
     bsz, hq, q_len, head_dim = query.shape
@@ -154,6 +155,19 @@ def nosa_attention_forward(
             o, _ = nosa_prefill_varlen(q_rows, k_seq, v_seq, evict(v_seq), docs, cfg, scale)
         out[b, rows] = o
     return out, None
+
+
+def common_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v in one dtype, as SDPA (an autocast op) receives them: under autocast (mixed-precision
+    training, e.g. HF Trainer's bf16) its dtype, where transformers' rotary embedding leaves q and k in
+    float32 while v comes out of its projection in bf16; otherwise the widest of the three. The
+    kernels take one dtype for all three."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
 @contextlib.contextmanager

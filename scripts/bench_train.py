@@ -14,6 +14,13 @@ NosaConfig) on one layer's shapes, the extend path SGLang runs, against dense ca
 ``--crossover`` times the two CPU paths of the selected-block attention (gathered, masked)
 against each other over context lengths, the measurements behind nosa.attention.masked's
 thresholds. Not a test: nothing is asserted.
+
+On a GPU (``--device cuda``, the default where one is), the steps run in bf16 autocast over float32
+weights, timed to the end of the GPU's work, and ``--like smollm2-135m`` builds random weights of a
+real checkpoint's shape, so that the fine-tune's step time is measured without its weights:
+
+    python scripts/bench_train.py --config configs/train/smollm2-sparse.yaml --like smollm2-135m \
+        --seq-lens 2048 8192 --prefill-context 0 --out results/gpu/train_gpu.json   # gpu_check.sh
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from nosa.bench.train_speed import run
+import torch
+
+from nosa.bench.train_speed import SHAPES, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,6 +48,12 @@ def main() -> None:
                     help="also time attend_selected's gathered vs masked CPU paths on one layer: training "
                          "(the config's nosa, 1-8x its seq_len) and prefill (released NosaConfig, 5K-16K): the "
                          "measurements behind nosa.attention.masked's thresholds (about 5 minutes)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the steps run (cuda: bf16 autocast over float32 weights)")
+    ap.add_argument("--like", choices=sorted(SHAPES), default=None,
+                    help="random weights of this checkpoint's shape instead of the config's model")
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=None,
+                    help="time each of these row lengths (default: the config's seq_len)")
     ap.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed steps, prefill at 8K")
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "train.json"))
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the training config")

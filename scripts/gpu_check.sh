@@ -83,6 +83,13 @@ step bench_kernels 150 env -u NOSA_DECODE_IMPL $PY scripts/bench_kernels.py --qu
 #    selections, eager vs replay ms). Needs no SGLang. Dry run on CPU: scripts/graph_check.py --device cpu
 step graph_check 120 $PY scripts/graph_check.py --device cuda --out "$OUT/graph_check.json"
 
+# 5a. the sparse-aware fine-tune's step on the GPU (configs/train/smollm2-sparse.yaml's NosaConfig,
+#    random weights of SmolLM2-135M's shape: the checkpoint does not travel), dense vs NOSA attention in
+#    the forward (the Triton prefill kernels, the torch selection), full AdamW steps in bf16 autocast,
+#    at the config's 2K rows and at 8K: what a GPU run of the fine-tune would take per step
+step train_speed 150 $PY scripts/bench_train.py --config configs/train/smollm2-sparse.yaml --like smollm2-135m \
+    --seq-lens 2048 8192 --prefill-context 0 --warmup 2 --steps 5 --out "$OUT/train_gpu.json"
+
 # 5b. optional, only when $GPU_CHECK_ONLY names it (never in the default set: ~4 minutes): the launch
 #    sweep of the block-sparse prefill kernels (num_warps x num_stages x query tile at the prefill
 #    shape above, each config checked against the default, interleaved with dense SDPA), within

@@ -22,7 +22,7 @@ from nosa.bench.results import write_result
 
 STEP_FILES = {"bench_kernels": "kernels_gpu.json", "bench_recall": "recall_gpu.json", "graph_check": "graph_check.json",
               "tune_prefill": "tune_prefill.json", "flashinfer_build": "flashinfer_build.json",
-              "bench_flashinfer": "kernels_flashinfer.json"}
+              "bench_flashinfer": "kernels_flashinfer.json", "train_speed": "train_gpu.json"}
 
 
 def logs(folder: Path) -> dict[str, str]:

@@ -247,3 +247,24 @@ def test_tiny_builder_and_eviction_helper_check_their_input():
     heads = [m for m in model.modules() if isinstance(m, nosa.EvictionHead)]
     assert all(torch.equal(h.scale.detach(), torch.full((2,), 0.25)) and float(h.proj.bias.detach().abs().sum()) == 0
                for h in heads)
+
+
+def test_mixed_precision_attention_inputs_share_the_autocast_dtype():
+    """Under autocast (mixed-precision training: HF Trainer's bf16, bench_train on CUDA) transformers
+    hands the attention q and k in float32 (its rotary embedding) and v in bf16; SDPA, an autocast op,
+    casts them to bf16, and the NOSA attention must too (its kernels take one dtype). It then equals
+    the call with all three in bf16; outside autocast, mixed inputs are promoted to the widest."""
+    from nosa.hf import common_dtype, nosa_attention_forward
+
+    model = tiny_model()
+    nosa.convert(model, NosaConfig.tiny(dense_len=0))
+    set_eviction(model, 0.5)
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 96, 16, generator=g) for h in (4, 2, 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed, _ = nosa_attention_forward(attn, q, k, v.bfloat16(), None)
+        same, _ = nosa_attention_forward(attn, q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
+        assert {t.dtype for t in common_dtype(q, k, v.bfloat16())} == {torch.bfloat16}
+    assert mixed.dtype == torch.bfloat16 and torch.equal(mixed, same)
+    assert {t.dtype for t in common_dtype(q.bfloat16(), k, v.half())} == {torch.float32}

@@ -24,19 +24,65 @@ from nosa.bench.results import write_result
 from nosa.tiny import build_causal_lm, set_eviction_heads
 from nosa.train.config import load_config
 
+# Random-weight stand-ins of real checkpoints' shapes (--like): their config.json's architecture keys
+SHAPES = {
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5, vocab_size=49152),
+}
 
-def make_step(model, batch: dict, lr: float):
+
+def make_step(model, batch: dict, lr: float, device: str = "cpu"):
+    """One full optimizer step of ``model`` on ``batch``: (wall seconds, this process's CPU seconds).
+    On CUDA in bf16 autocast over float32 weights (mixed precision, as DeepSpeed's bf16 trains), timed
+    to the end of the GPU's work."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    cuda = device.startswith("cuda")
 
     def step() -> tuple[float, float]:
+        if cuda:
+            torch.cuda.synchronize()
         t0, c0 = time.perf_counter(), time.process_time()
-        loss = model(**batch, use_cache=False).loss
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            loss = model(**batch, use_cache=False).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - t0, time.process_time() - c0
 
     return step
+
+
+def step_times(dense, sparse, seq_len: int, micro_batch: int, lr: float, warmup: int, steps: int, device: str,
+               seed: int) -> dict:
+    """Median (and least, and every) step time of the two models on ``micro_batch`` rows of ``seq_len``
+    random tokens, alternating step by step so that machine noise hits both alike."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, dense.config.vocab_size, (micro_batch, seq_len), generator=g).to(device)
+    batch = {"input_ids": ids, "labels": ids}
+    fns = {"dense": make_step(dense, batch, lr, device), "nosa": make_step(sparse, batch, lr, device)}
+    times = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
+    for i in range(warmup + steps):
+        for name, step in fns.items():
+            dt, dc = step()
+            if i >= warmup:
+                times[name].append(dt)
+                cpu[name].append(dc)
+    out = {"seq_len": seq_len, "micro_batch": micro_batch,
+           "step_s": {name: {"median": round(statistics.median(ts), 3), "min": round(min(ts), 3),
+                             "all": [round(t, 3) for t in ts]} for name, ts in times.items()},
+           # CPU seconds of this process per step (the least of the timed steps): less sensitive to
+           # other load on a shared machine than wall time
+           "step_cpu_s": {name: round(min(ts), 3) for name, ts in cpu.items()}}
+    out["ratio_nosa_over_dense"] = round(out["step_s"]["nosa"]["median"] / out["step_s"]["dense"]["median"], 2)
+    out["cpu_ratio_nosa_over_dense"] = round(out["step_cpu_s"]["nosa"] / out["step_cpu_s"]["dense"], 2)
+    if device.startswith("cuda"):
+        out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        torch.cuda.reset_peak_memory_stats()
+    return out
 
 
 def prefill_case(context: int, a_nonzero: bool, hq: int = 8, hkv: int = 2, d: int = 32, repeats: int = 1) -> dict:
@@ -106,41 +152,44 @@ def run(args) -> None:
     the result written to ``args.out``."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = load_config(args.config, args.overrides)
+    like = getattr(args, "like", None)
+    # with --like only the config's NosaConfig, seed, rows and learning rate count: its model (a checkpoint
+    # path, absent on a GPU machine) and its data (that checkpoint's chat turns) are not read
+    cfg = load_config(args.config, args.overrides, validate=not like)
+    device = getattr(args, "device", "cpu")
     torch.manual_seed(cfg.seed)
-    spec = dict(cfg.model.build)
-    spec.setdefault("vocab_size", cfg.tokenizer.vocab_size)
+    if like:
+        spec = dict(SHAPES[like])
+    else:
+        spec = dict(cfg.model.build)
+        spec.setdefault("vocab_size", cfg.tokenizer.vocab_size)
     dense = build_causal_lm(seed=cfg.seed, **spec).train()
     sparse = nosa.convert(copy.deepcopy(dense), cfg.nosa).train()
     set_eviction_heads(sparse, scale=args.evict_scale, seed=cfg.seed)
-    g = torch.Generator().manual_seed(cfg.seed)
-    ids = torch.randint(3, dense.config.vocab_size, (cfg.micro_batch, cfg.seq_len), generator=g)
-    batch = {"input_ids": ids, "labels": ids}
-    steps = {"dense": make_step(dense, batch, cfg.optim.lr), "nosa": make_step(sparse, batch, cfg.optim.lr)}
-    times = {name: [] for name in steps}
-    cpu = {name: [] for name in steps}
-    for i in range(args.warmup + args.steps):
-        for name, step in steps.items():
-            dt, dc = step()
-            if i >= args.warmup:
-                times[name].append(dt)
-                cpu[name].append(dc)
+    dense, sparse = dense.to(device), sparse.to(device)
+    lengths = getattr(args, "seq_lens", None) or [cfg.seq_len]
+    rows = []
+    for seq_len in lengths:
+        try:
+            rows.append(step_times(dense, sparse, seq_len, cfg.micro_batch, cfg.optim.lr, args.warmup, args.steps,
+                                   device, cfg.seed))
+        except Exception as e:  # e.g. out of memory at the longest length: record it and go on
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            rows.append({"seq_len": seq_len, "error": repr(e)[:500]})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "micro_batch"}), flush=True)
     result = {
         "config": os.path.relpath(args.config, REPO), "overrides": args.overrides,
-        "device": "cpu", "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "seq_len": cfg.seq_len, "micro_batch": cfg.micro_batch, "nosa_config": cfg.nosa.to_dict(),
-        "model": {k: v for k, v in spec.items()}, "evict_scale": args.evict_scale,
-        "step_s": {name: {"median": round(statistics.median(ts), 3), "min": round(min(ts), 3),
-                          "all": [round(t, 3) for t in ts]} for name, ts in times.items()},
-        # CPU seconds of this process per step (the least of the timed steps): less sensitive to
-        # other load on a shared machine than wall time
-        "step_cpu_s": {name: round(min(ts), 3) for name, ts in cpu.items()},
+        "model": like or {k: v for k, v in spec.items()},
+        "parameters": sum(p.numel() for p in dense.parameters()), "evict_scale": args.evict_scale,
+        **{k: v for k, v in rows[0].items() if k not in ("seq_len", "micro_batch")},
     }
-    result["ratio_nosa_over_dense"] = round(result["step_s"]["nosa"]["median"] / result["step_s"]["dense"]["median"], 2)
-    result["cpu_ratio_nosa_over_dense"] = round(result["step_cpu_s"]["nosa"] / result["step_cpu_s"]["dense"], 2)
-    print(json.dumps({k: result[k] for k in ("step_s", "ratio_nosa_over_dense", "step_cpu_s",
-                                              "cpu_ratio_nosa_over_dense")}), flush=True)
-    if args.prefill_context:
+    if len(rows) > 1:
+        result["by_seq_len"] = rows
+    if args.prefill_context and not device.startswith("cuda"):
         result["prefill"] = [prefill_case(args.prefill_context, a) for a in (False, True)]
         for row in result["prefill"]:
             print(json.dumps(row), flush=True)
