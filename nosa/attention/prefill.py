@@ -28,6 +28,10 @@ from nosa.select import query_block_scores, select_blocks
 # once): small enough that a chunk's logits stay in cache (measured about 25% faster at 1K tokens
 # than one chunk for every row) and that later chunks' rows do not score windows they cannot see
 SELECT_ELEMENTS = 1 << 18
+# on a GPU a chunk is a sequence of small launches and one host sync (the windows every row sees): few
+# large chunks. The H200's SmolLM2-shaped training step at 8K tokens spent 6 s of host time in 146
+# chunks per layer with the CPU's size; with this one a layer is one chunk up to 8K tokens (Hq 9).
+SELECT_ELEMENTS_CUDA = 1 << 26
 
 
 def nosa_prefill(
@@ -97,7 +101,8 @@ def select_rows(q: torch.Tensor, compressed_k: torch.Tensor, evict: torch.Tensor
     if row_chunk is None:
         row_chunk = gathered.default_row_chunk(cfg)
     sels = [torch.empty(0, compressed_k.shape[1], cfg.topk_blocks, dtype=torch.long, device=q.device)]
-    step = max(row_chunk, SELECT_ELEMENTS // max(1, hq * compressed_k.shape[0]))
+    elements = SELECT_ELEMENTS_CUDA if q.is_cuda else SELECT_ELEMENTS
+    step = max(row_chunk, elements // max(1, hq * compressed_k.shape[0]))
     for start in range(0, n, step):
         stop = min(start + step, n)
         positions = torch.arange(first + start, first + stop, device=q.device)
