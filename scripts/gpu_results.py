@@ -54,6 +54,9 @@ def main() -> None:
     parser.add_argument("--out", default="results/gpu_h200.json")
     parser.add_argument("--note", default="", help="added to the provenance's note (e.g. which tree each run ran)")
     parser.add_argument("--base", type=Path, help="a file joined earlier: its steps stay where the folders ran none")
+    parser.add_argument("--before", nargs="+", default=[], metavar="STEP",
+                        help="for these steps, keep an earlier folder's result as STEP_before when a later "
+                             "folder replaces it (a measurement before and after a fix)")
     args = parser.parse_args()
     result: dict = {"runs": []}
     parts: dict[str, dict] = {}  # step -> the provenance of the part kept (a later run's replaces it)
@@ -63,6 +66,7 @@ def main() -> None:
         notes = base.pop("earlier_notes", []) + ([earlier] if earlier else [])
         parts = {part["step"]: part for part in base.pop("parts", [])}
         result = base
+    ran: set[str] = set()  # steps the folders of this join ran so far
     for folder in args.folders:
         summary = json.loads((folder / "summary.json").read_text())
         text = logs(folder)
@@ -79,6 +83,10 @@ def main() -> None:
         for step, name in STEP_FILES.items():
             path = folder / name
             if path.exists():
+                if step in args.before and step in ran:
+                    result[f"{step}_before"] = result[step]
+                    parts[f"{step}_before"] = dict(parts[step], step=f"{step}_before")
+                ran.add(step)
                 data = json.loads(path.read_text())
                 parts[step] = dict(data.pop("provenance"), step=step, folder=folder.name)
                 result[step] = data

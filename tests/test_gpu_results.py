@@ -79,3 +79,19 @@ def test_a_later_run_joins_its_steps_and_keeps_the_earlier_ones(tmp_path, monkey
     assert data["earlier_notes"] == [joined["provenance"]["note"]]
     assert "run 2 note." in data["provenance"]["note"] and "run 1 note." not in data["provenance"]["note"]
     assert [run["folder"] for run in data["runs"]] == ["run1", "run2"]
+
+
+def test_before_keeps_the_earlier_measurement_of_a_step(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    ok = {"rc": 0, "seconds": 5}
+    runs = [_run_folder(tmp_path / f"run{i}", {"train_speed": ok},
+                        {"train_gpu.json": {"provenance": _provenance(f"bench_train {i}"), "ratio": ratio}}, {})
+            for i, ratio in ((1, 67.0), (2, 3.4))]
+    out = tmp_path / "gpu.json"
+    _join(monkeypatch, *map(str, runs), "--out", str(out), "--before", "train_speed")
+    data = json.loads(out.read_text())
+    assert data["train_speed"]["ratio"] == 3.4 and data["train_speed_before"]["ratio"] == 67.0
+    steps = {part["step"]: part["command"] for part in data["parts"]}
+    assert steps == {"train_speed": "bench_train 2", "train_speed_before": "bench_train 1"}
+    _join(monkeypatch, *map(str, runs), "--out", str(out))  # without --before, the later one alone
+    assert "train_speed_before" not in json.loads(out.read_text())

@@ -89,6 +89,34 @@ def gpu_flashinfer(root: Path) -> str:
 
 
 @renders(GPU)
+def gpu_train(root: Path) -> str:
+    """bench_train --like smollm2-135m on the H200: the sparse-aware fine-tune's step, dense vs NOSA,
+    before and after the selection's GPU chunks."""
+    data = load(root, GPU)
+    after, before = data["train_speed"], data.get("train_speed_before")
+    earlier = {r["seq_len"]: r for r in before["by_seq_len"]} if before else {}
+    rows = []
+    for r in after["by_seq_len"]:
+        was = earlier.get(r["seq_len"], {}).get("step_s", {}).get("nosa", {}).get("median")
+        step = r["step_s"]
+        rows.append([f"{r['seq_len']:,}", f"{step['dense']['median']:.3f}", f"{step['nosa']['median']:.3f}",
+                     times(r["ratio_nosa_over_dense"]), f"{was:.3f}" if was else "-",
+                     f"{r['step_cpu_s']['nosa']:.3f}", f"{r['peak_memory_gib']:.1f}"])
+    longest = after["by_seq_len"][-1]
+    per_hour = 3600 / longest["step_s"]["nosa"]["median"]
+    return "\n".join([
+        table(["tokens per row", "dense s / step", "NOSA s / step", "NOSA / dense", "NOSA s / step before",
+               "NOSA host CPU s / step", "peak GiB"], rows),
+        "",
+        f"{after['parameters'] / 1e6:.0f}M parameters of SmolLM2-135M's shape (random weights), "
+        f"{after['micro_batch']} row per step, the NosaConfig of `{after['config']}`, AdamW in bf16 autocast, "
+        f"median of {len(longest['step_s']['nosa']['all'])} steps after warm-up. At its "
+        f"{longest['seq_len']:,}-token step, an hour holds about {per_hour:,.0f} NOSA steps "
+        "(the fine-tune also runs the frozen teacher's forward for its KL).",
+    ])
+
+
+@renders(GPU)
 def gpu_prefill_tune(root: Path) -> str:
     """scripts/tune_sparse_prefill.py's sweep of the sparse prefill kernel's launch."""
     t = load(root, GPU)["tune_prefill"]
