@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from nosa.bench import REPO
+from nosa.bench import REPO, results
 from nosa.bench.results import git_state, write_result
 
 
@@ -61,11 +61,28 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
 
 def test_without_git_commit_and_dirty_are_null(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no git executable to be found
+    monkeypatch.setattr(results, "STARTED", (None, None))  # nor when the run began
     assert git_state() == (None, None)
     path = tmp_path / "r.json"
     write_result(str(path), {}, argv=["scripts/x.py"])
     prov = json.loads(path.read_text())["provenance"]
     assert (prov["commit"], prov["dirty"]) == (None, None)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_commit_is_the_one_the_run_started_from(tmp_path, monkeypatch):
+    """A long run during which commits came (a 40-minute benchmark beside development) records the
+    commit it started from, and the one at writing apart."""
+    now = git_state()
+    monkeypatch.setattr(results, "STARTED", now)
+    write_result(str(tmp_path / "same.json"), {}, argv=["scripts/x.py"])
+    prov = json.loads((tmp_path / "same.json").read_text())["provenance"]
+    assert (prov["commit"], prov["dirty"]) == now and "written_at" not in prov
+    monkeypatch.setattr(results, "STARTED", ("0" * 40, False))
+    write_result(str(tmp_path / "later.json"), {}, argv=["scripts/x.py"])
+    prov = json.loads((tmp_path / "later.json").read_text())["provenance"]
+    assert (prov["commit"], prov["dirty"]) == ("0" * 40, False)
+    assert prov["written_at"] == {"commit": now[0], "dirty": now[1]}
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")

@@ -46,6 +46,8 @@ def provenance_line(root: Path, name: str) -> str:
     dirty = " with uncommitted changes" if p.get("dirty") else ""
     recorded = f" (provenance recorded {p['recorded']})" if p.get("recorded") else ""
     note = f" {p['note']}" if p.get("note") else ""
+    if p.get("written_at"):  # commits came while it ran: the run's code is the commit it started from
+        note += f" Written at commit `{str(p['written_at']['commit'])[:7]}`, committed while it ran."
     parts = data.get("parts") or []
     if parts:
         commits = ", ".join(sorted({f"`{str(q.get('commit'))[:7]}`" for q in parts}))

@@ -1,5 +1,6 @@
-"""The docs' table of Gemma 3 270M served at long context (results/gemma3_serve.json,
-scripts/bench_gemma.py): registered like ``report_tables``' renderers."""
+"""The docs' tables of Gemma 3 270M served at long context (scripts/bench_gemma.py:
+results/gemma3_serve.json at 16K, results/gemma3_serve_32k.json at 32K): registered like
+``report_tables``' renderers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from nosa.bench.report_tables import load, pct, renders, table, times
 
 GEMMA = "results/gemma3_serve.json"
+GEMMA_32K = "results/gemma3_serve_32k.json"
 SERVERS = (("torch_native", "torch_native"), ("nosa_off", "nosa, offloading off"),
            ("nosa_offload", "nosa, offloading + recall scheduler"))
 
@@ -18,7 +20,16 @@ def _mb(n: int) -> str:
 
 @renders(GEMMA)
 def gemma3_serve(root: Path) -> str:
-    data = load(root, GEMMA)
+    return _served(load(root, GEMMA))
+
+
+@renders(GEMMA_32K)
+def gemma3_serve_32k(root: Path) -> str:
+    return _served(load(root, GEMMA_32K))
+
+
+def _served(data: dict) -> str:
+    """One bench_gemma run: the three servers side by side, then what it says."""
     rows = [[label, data[k]["prefill_s"], data[k]["ms_per_decode_step"], _mb(data[k]["device_kv_bytes_per_request"])]
             for k, label in SERVERS]
     c, off, cap = data["nosa_config"], data["nosa_offload"], data["capacity"]

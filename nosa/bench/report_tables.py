@@ -58,7 +58,7 @@ def share_text(s: dict) -> str:
 # ---- the headline (README and the results page) -------------------------------------------------
 @renders("results/accuracy.json", "results/longctx.json", "results/ruler.json", "results/ruler_ft.json",
          "results/serve_ask_smollm2.json", "results/offload.json", "results/serve_smollm2_8k_rank_short.json",
-         "results/serve.json", "results/gemma3_serve.json", "results/gpu_h200.json", "results/ruler_host_kv.json",
+         "results/serve.json", "results/gemma3_serve_32k.json", "results/gpu_h200.json", "results/ruler_host_kv.json",
          "results/serve_host_kv.json")
 def headline(root: Path) -> str:
     acc = {(r["variant"], r["length"]): r for r in load(root, "results/accuracy.json")["results"]}
@@ -83,7 +83,7 @@ def headline(root: Path) -> str:
     cap = load(root, "results/offload.json")["capacity"]
     onoff = paired_speed(load(root, "results/serve_smollm2_8k_rank_short.json"), "offload_sched_over_nosa")
     serve = load(root, "results/serve.json")["decode_speedup_nosa_over_torch_native"]
-    gemma = load(root, "results/gemma3_serve.json")
+    gemma = load(root, "results/gemma3_serve_32k.json")
     rows = [
         ["tiny model (quickstart), 512 tokens, 1/4 of the blocks: held-out answers right, dense / A = 0 / NOSA",
          " / ".join(pct(r["acc"]["mean"]) for r in tiny), "`results/accuracy.json`"],
@@ -123,7 +123,7 @@ def headline(root: Path) -> str:
          f"{gemma['torch_native']['device_kv_bytes_per_request'] / 1e6:.0f} / "
          f"{gemma['nosa_offload']['device_kv_bytes_per_request'] / 1e6:.1f}; "
          f"{gemma['capacity']['nosa_offload_requests']}; {times(gemma['decode_speed_nosa_over_native'])}",
-         "`results/gemma3_serve.json`"],
+         "`results/gemma3_serve_32k.json`"],
         gpu_row(load(root, "results/gpu_h200.json")),
         host_kv_row(load(root, "results/ruler_host_kv.json"), load(root, "results/serve_host_kv.json")),
     ]

@@ -23,14 +23,20 @@ def provenance(argv: list[str] | None = None) -> dict:
     command line as typed, program first; default ``sys.argv``): ``command`` reads
     ``python scripts/bench_x.py --quick`` (a program inside the checkout relative to it);
     ``commit`` and ``dirty`` (tracked files changed since the commit) are None where git or the
-    repository is missing."""
+    repository is missing. The commit is the one the run started from (``STARTED``, read when this
+    module was first imported): where commits came during a long run, the one at writing goes to
+    ``written_at``, so a result never claims code it did not run."""
     argv = list(sys.argv if argv is None else argv)
     program = os.path.abspath(argv[0]) if argv else ""
     if program.startswith(REPO + os.sep):  # scripts/x.py, however the path to it was typed
         argv[0] = os.path.relpath(program, REPO)
-    commit, dirty = git_state()
-    return {"command": " ".join(["python", *(shlex.quote(a) for a in argv)]), "commit": commit, "dirty": dirty,
-            "machine": machine(), "date": datetime.date.today().isoformat()}
+    now = git_state()
+    commit, dirty = STARTED if STARTED[0] is not None else now
+    out = {"command": " ".join(["python", *(shlex.quote(a) for a in argv)]), "commit": commit, "dirty": dirty,
+           "machine": machine(), "date": datetime.date.today().isoformat()}
+    if now != (commit, dirty):
+        out["written_at"] = {"commit": now[0], "dirty": now[1]}
+    return out
 
 
 def git_state(root: str = REPO) -> tuple[str | None, bool | None]:
@@ -47,6 +53,9 @@ def git_state(root: str = REPO) -> tuple[str | None, bool | None]:
     except (OSError, subprocess.TimeoutExpired):  # no git executable, or a hung one
         return None, None
     return head.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
+
+
+STARTED = git_state()  # (commit, dirty) when the run began: a benchmark imports this module first
 
 
 def machine() -> dict:
