@@ -182,7 +182,7 @@ def run(args) -> None:
         "config": os.path.relpath(args.config, REPO), "overrides": args.overrides,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "seq_len": cfg.seq_len, "micro_batch": cfg.micro_batch, "nosa_config": cfg.nosa.to_dict(),
+        "seq_len": lengths[0], "micro_batch": cfg.micro_batch, "nosa_config": cfg.nosa.to_dict(),
         "model": like or {k: v for k, v in spec.items()},
         "parameters": sum(p.numel() for p in dense.parameters()), "evict_scale": args.evict_scale,
         **{k: v for k, v in rows[0].items() if k not in ("seq_len", "micro_batch")},
