@@ -162,6 +162,8 @@ json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 print(json.dumps(summary)[:3000])
 PY
 # The device tool returns at most 8 files from $OUT: the logs, test reports and step times go back as
-# one archive beside the JSON files.
+# one archive beside the JSON files (the default run fills the 8: summary, kernels_gpu, recall_gpu,
+# graph_check, train_gpu, flashinfer_build, kernels_flashinfer and the archive; a new step's JSON must
+# join one of them or go into the archive).
 (cd "$OUT" && tar czf logs.tar.gz --remove-files -- *.log *.xml steps.txt 2>/dev/null)
 echo "[gpu_check] done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
