@@ -95,7 +95,7 @@ def select_rows(q: torch.Tensor, compressed_k: torch.Tensor, evict: torch.Tensor
 
     Rows go in chunks that each score only the windows their last row can see (the others would be
     masked to probability 0), so the query-aware scores cost about half of rows x windows; a chunk
-    holds about SELECT_ELEMENTS logits and at least ``row_chunk`` rows."""
+    holds about SELECT_ELEMENTS logits (SELECT_ELEMENTS_CUDA on a GPU) and at least ``row_chunk`` rows."""
     n, hq, _ = q.shape
     first, num_blocks = length - n, cfg.num_blocks(length)
     if row_chunk is None:

@@ -61,12 +61,13 @@ def gpu_flashinfer(root: Path) -> str:
     """Triton vs FlashInfer slot decode (gpu_check.sh's bench_flashinfer step, after FlashInfer's JIT build)."""
     data = load(root, GPU)
     build, tests = data["flashinfer_build"], data.get("flashinfer_tests")
-    rows = []
+    rows, ratios = [], []
     for r in data["bench_flashinfer"]["decode_slots"]:
         where = f"{r['context'] // 1024}K, batch {r['batch']}"
         if "flashinfer_s" not in r:
             rows.append([where, _ms(r["dense_s"]), _ms(r["triton_s"]), "-", "-", r.get("flashinfer", r.get("error"))])
             continue
+        ratios.append(r["triton_over_flashinfer"])
         rows.append([where, _ms(r["dense_s"]), _ms(r["triton_s"]), _ms(r["flashinfer_s"]),
                      times(r["triton_over_flashinfer"]), f"{r['faster']} (largest error vs the reference "
                      f"{r['flashinfer_max_abs_err_vs_ref']:g})"])
@@ -75,7 +76,6 @@ def gpu_flashinfer(root: Path) -> str:
              else f"FlashInfer's JIT build of the NOSA variant FAILED: {build.get('error', '')[-300:]}")
     tested = (f"; its GPU test against the reference: {tests['passed']} passed, {tests['failed']} failed, "
               f"{tests['skipped']} skipped" if tests else "")
-    ratios = [r["triton_over_flashinfer"] for r in data["bench_flashinfer"]["decode_slots"] if "flashinfer_s" in r]
     verdict = (f"Triton over FlashInfer: {times(1 / max(ratios))} to {times(1 / min(ratios))} as fast."
                if ratios else "FlashInfer did not run; Triton stays the default.")
     return "\n".join([

@@ -168,16 +168,16 @@ def run(args) -> None:
     set_eviction_heads(sparse, scale=args.evict_scale, seed=cfg.seed)
     dense, sparse = dense.to(device), sparse.to(device)
     lengths = getattr(args, "seq_lens", None) or [cfg.seq_len]
-    rows = []
+    by_length = []
     for seq_len in lengths:
         try:
-            rows.append(step_times(dense, sparse, seq_len, cfg.micro_batch, cfg.optim.lr, args.warmup, args.steps,
+            by_length.append(step_times(dense, sparse, seq_len, cfg.micro_batch, cfg.optim.lr, args.warmup, args.steps,
                                    device, cfg.seed))
         except Exception as e:  # e.g. out of memory at the longest length: record it and go on
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
-            rows.append({"seq_len": seq_len, "error": repr(e)[:500]})
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "micro_batch"}), flush=True)
+            by_length.append({"seq_len": seq_len, "error": repr(e)[:500]})
+        print(json.dumps({k: v for k, v in by_length[-1].items() if k != "micro_batch"}), flush=True)
     result = {
         "config": os.path.relpath(args.config, REPO), "overrides": args.overrides,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
@@ -185,10 +185,10 @@ def run(args) -> None:
         "seq_len": lengths[0], "micro_batch": cfg.micro_batch, "nosa_config": cfg.nosa.to_dict(),
         "model": like or {k: v for k, v in spec.items()},
         "parameters": sum(p.numel() for p in dense.parameters()), "evict_scale": args.evict_scale,
-        **{k: v for k, v in rows[0].items() if k not in ("seq_len", "micro_batch")},
+        **{k: v for k, v in by_length[0].items() if k not in ("seq_len", "micro_batch")},
     }
-    if len(rows) > 1:
-        result["by_seq_len"] = rows
+    if len(by_length) > 1:
+        result["by_seq_len"] = by_length
     if args.prefill_context and not device.startswith("cuda"):
         result["prefill"] = [prefill_case(args.prefill_context, a) for a in (False, True)]
         for row in result["prefill"]:
