@@ -177,3 +177,23 @@ def test_branch_free_selection_is_the_same(heads):
     evict = block_eviction_scores(cis, cfg, nb)[None]
     assert torch.equal(select_blocks(qs, evict, positions, cfg, branch_free=True),
                        select_blocks(qs, evict, positions, cfg))
+
+
+def test_the_selection_does_not_depend_on_its_row_chunks(monkeypatch):
+    """select_rows scores rows in chunks (a few on CPU, for the cache; one large one on a GPU,
+    SELECT_ELEMENTS_CUDA): every chunk size gives the same selection, so a GPU fine-tune and a CPU
+    server select the same blocks for the same inputs."""
+    from nosa.attention import prefill
+
+    cfg = NosaConfig(block_size=8, compress_kernel=8, compress_stride=4, sink_blocks=1, window_blocks=2,
+                     topk_blocks=8, query_blocks=2, dense_len=0)
+    g = torch.Generator().manual_seed(4)
+    length, hq, hkv, d = 300, 4, 2, 16
+    q, k = torch.randn(length, hq, d, generator=g), torch.randn(length, hkv, d, generator=g)
+    cis = torch.randn(length, hkv, generator=g)
+    sels = []
+    for elements in (1, 1 << 12, 1 << 30):  # a chunk of row_chunk rows, a few chunks, one chunk for all
+        monkeypatch.setattr(prefill, "SELECT_ELEMENTS", elements)
+        sels.append(prefill.prefill_selection(q, k, cis, cfg, d**-0.5, row_chunk=4))
+    assert sels[0].shape == (length, hkv, cfg.topk_blocks)
+    assert torch.equal(sels[0], sels[1]) and torch.equal(sels[0], sels[2])
