@@ -68,6 +68,12 @@ VARIABLES: tuple[EnvVar, ...] = (
            "`1` prefetches the next layer's predicted blocks on a worker while a layer computes (the "
            "interruptible layer-wise recall scheduler); a layer still copies its own misses inline.",
            _SERVE_SETTINGS),
+    EnvVar("NOSA_GRAPH_SPAN_BUCKETS", "4",
+           "Under SGLang's CPU graph runner (`--enable-torch-compile`), how many context buckets a decode step's "
+           "selection chooses from: the server's context length halved down to the budget, the batch's longest "
+           "request picking the shortest bucket that holds it. Each bucket is one more compiled copy of the "
+           "selection per NOSA layer (longer start-up); `1` reads the longest context's spans every step.",
+           ("nosa/state_pool.py",)),
     EnvVar("NOSA_RECALL_CHUNK_ITEMS", "64",
            "Items per chunk of the recall scheduler's prefetch (it can pause between chunks).",
            _SERVE_SETTINGS),

@@ -19,6 +19,7 @@ import threading
 
 import torch
 
+from nosa import env
 from nosa.compress import compress_windows
 from nosa.config import NosaConfig
 from nosa.decode import NosaDecodeState
@@ -213,35 +214,82 @@ class StatePool:
         self.tail_cis[layer][rows, last % self.tail_len] = cis_new.float()
 
     def select(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor, scale: float,
-               windows: int, blocks: int) -> torch.Tensor:
+               windows: int | None, blocks: int | None) -> torch.Tensor:
         """Selections [R, Hkv, K] of the newest tokens (after ``advance``) for queries q [R, Hq, D],
         recorded as the rows' last selection. ``windows`` / ``blocks``: how many compressed keys and
         blocks to read per row (at least the longest context's of the batch; the pool's maxima for
-        a captured step). The same as nosa.decode.decode_select on the same states."""
-        cfg = self.cfg
-        r, hq, d = q.shape
-        group = hq // self.hkv
-        qg = q.detach().float().reshape(r, self.hkv, group, d)
-        per = self.per_page
-        window_blocks = -(-windows // per)
-        pages = self.table[rows[:, None], torch.arange(max(blocks, window_blocks), device=rows.device)]  # [R, nb]
-        # the rows' pages in one index_select of contiguous page rows (an advanced index of the 4-d
-        # buffer, and the permute it needed, cost about 15x more at 64K), already head-major
-        ck = self.ck[layer]
-        items = (self._heads[:, None] * ck.shape[1] + pages[:, :window_blocks].flatten()).flatten()  # head-major
-        ck = ck.view(-1, per * d).index_select(0, items).view(self.hkv, r, window_blocks * per, d)[:, :, :windows]
-        logits = torch.matmul(qg.transpose(0, 1), ck.transpose(-1, -2)).transpose(0, 1) * scale  # [R, Hkv, G, W]
-        num_windows = torch.where(lengths >= cfg.compress_kernel,
-                                  (lengths - cfg.compress_kernel) // cfg.compress_stride + 1, 0)
-        visible = torch.arange(windows, device=rows.device)[None, :] < num_windows[:, None]
-        query = block_scores_from_logits(logits, visible, blocks, cfg)  # [R, Hkv, NB]
-        exists = torch.arange(blocks, device=rows.device)[None, :] < (lengths[:, None] - 1) // cfg.block_size + 1
-        static = self.static[layer].view(-1, self.hkv * 2).index_select(0, pages[:, :blocks].flatten())
-        static = static.view(r, blocks, self.hkv, 2).transpose(1, 2)  # [R, Hkv, NB, 2]
-        static = torch.where(exists[:, None, :, None], static, NEG_INF)
-        sel = select_blocks(query, static, lengths - 1, cfg, branch_free=True)
+        a captured CUDA graph). None: the spans of the batch's context bucket (``span_limits``),
+        chosen by ``torch.cond`` on the longest length, so that a step torch.compile captured for
+        SGLang's CPU graph runner reads about as far as its requests reach, not as far as the
+        server's longest context (the predicate is read on the host: never inside a CUDA graph).
+        The same as nosa.decode.decode_select on the same states."""
+        if windows is None or blocks is None:
+            sel = self._select_bucketed(layer, rows, lengths, q, scale)
+        else:
+            sel = _select_pages(self.cfg, self.table, self.ck[layer], self.static[layer], rows, lengths, q, scale,
+                                windows, blocks)
         self.selection[layer][rows] = sel
         return sel
+
+    def span_limits(self) -> list[int]:
+        """The context buckets of ``select`` without spans, shortest first: the server's longest
+        context, halved while a half still holds the budget (``topk_blocks`` blocks), at most
+        $NOSA_GRAPH_SPAN_BUCKETS of them. A bucket reads at most twice what its longest request
+        needs (but the shortest); each is one more copy of the selection for torch.compile to
+        compile."""
+        cfg, most = self.cfg, env.integer("NOSA_GRAPH_SPAN_BUCKETS", minimum=1)
+        limits = [self.max_context]
+        while len(limits) < most and limits[-1] // 2 >= cfg.topk_blocks * cfg.block_size:
+            limits.append(limits[-1] // 2)
+        return limits[::-1]
+
+    def _select_bucketed(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        cfg, table, ck, static = self.cfg, self.table, self.ck[layer], self.static[layer]
+        limits = self.span_limits()
+
+        def within(limit: int):  # the layer's tensors are operands: every layer's branches are the same graphs
+            return lambda q, rows, lengths, table, ck, static: _select_pages(
+                cfg, table, ck, static, rows, lengths, q, scale, cfg.num_compressed(limit), cfg.num_blocks(limit))
+
+        operands = (q, rows, lengths, table, ck, static)
+        if not torch.compiler.is_compiling():  # run eagerly (a batch size no graph was captured for)
+            longest = int(lengths.max())
+            return within(next((n for n in limits if n >= longest), limits[-1]))(*operands)
+        longest = lengths.max()
+
+        def bucket(i: int):  # limits[i] and longer
+            if i == len(limits) - 1:
+                return within(limits[i])
+            return lambda *ops: torch.cond(longest <= limits[i], within(limits[i]), bucket(i + 1), ops)
+
+        return bucket(0)(*operands)
+
+
+def _select_pages(cfg: NosaConfig, table: torch.Tensor, ck: torch.Tensor, static: torch.Tensor, rows: torch.Tensor,
+                  lengths: torch.Tensor, q: torch.Tensor, scale: float, windows: int, blocks: int) -> torch.Tensor:
+    """StatePool.select of one layer's pages (ck [Hkv, P, B/s, D], static [P, Hkv, 2]) over
+    ``windows`` compressed keys and ``blocks`` blocks per row -> [R, Hkv, K]."""
+    r, hq, d = q.shape
+    hkv, per = ck.shape[0], ck.shape[2]
+    qg = q.detach().float().reshape(r, hkv, hq // hkv, d)
+    window_blocks = -(-windows // per)
+    pages = table[rows[:, None], torch.arange(max(blocks, window_blocks), device=rows.device)]  # [R, nb]
+    # the rows' pages in one index_select of contiguous page rows (an advanced index of the 4-d
+    # buffer, and the permute it needed, cost about 15x more at 64K), already head-major
+    heads = torch.arange(hkv, device=rows.device)
+    items = (heads[:, None] * ck.shape[1] + pages[:, :window_blocks].flatten()).flatten()  # head-major
+    ck = ck.view(-1, per * d).index_select(0, items).view(hkv, r, window_blocks * per, d)[:, :, :windows]
+    logits = torch.matmul(qg.transpose(0, 1), ck.transpose(-1, -2)).transpose(0, 1) * scale  # [R, Hkv, G, W]
+    num_windows = torch.where(lengths >= cfg.compress_kernel,
+                              (lengths - cfg.compress_kernel) // cfg.compress_stride + 1, 0)
+    visible = torch.arange(windows, device=rows.device)[None, :] < num_windows[:, None]
+    query = block_scores_from_logits(logits, visible, blocks, cfg)  # [R, Hkv, NB]
+    exists = torch.arange(blocks, device=rows.device)[None, :] < (lengths[:, None] - 1) // cfg.block_size + 1
+    static = static.view(-1, hkv * 2).index_select(0, pages[:, :blocks].flatten())
+    static = static.view(r, blocks, hkv, 2).transpose(1, 2)  # [R, Hkv, NB, 2]
+    static = torch.where(exists[:, None, :, None], static, NEG_INF)
+    return select_blocks(query, static, lengths - 1, cfg, branch_free=True)
 
 
 def pages_for(cfg: NosaConfig, token_capacity: int, num_rows: int) -> int:

@@ -3,6 +3,12 @@ KV in SGLang's pool) and nosa with offloading and the recall scheduler, side by 
 
     python scripts/bench_gemma.py --quick                  # 8K, about 6 minutes on 2 cores
     python scripts/bench_gemma.py --context 16384          # -> results/gemma3_serve.json (32K: about an hour here)
+    python scripts/bench_gemma.py --captured 2048 8192 32768   # CPU graph runner vs eager, one 32K server each
+
+``--captured CONTEXTS``: instead of the three servers, nosa with offloading and the recall scheduler
+served twice, eager and under SGLang's CPU graph runner (``--enable-torch-compile``, one graph: batch
+1), each server sized for ``--context`` and given one request of each of CONTEXTS tokens in turn
+(-> results/gemma3_captured.json: decode ms per step of both, per context).
 
 Each server gets one request of ``--context`` tokens (<bos>, then random ids) and streams
 ``--new-tokens`` greedy tokens (bench_serve's measurement: prefill seconds until the first token,
@@ -31,6 +37,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -75,9 +82,14 @@ def main(argv=None) -> int:
     parser.add_argument("--share", type=float, default=0.25, help="NOSA's budget as a share of the blocks")
     parser.add_argument("--threads", type=int, default=2, help="OMP threads of each server")
     parser.add_argument("--quick", action="store_true", help="8K instead of --context")
-    parser.add_argument("--out", default=None, help="JSON output (default results/gemma3_serve.json; "
-                        "--quick: results/gemma3_serve_quick.json)")
+    parser.add_argument("--captured", type=int, nargs="+", default=None, metavar="CONTEXT",
+                        help="request lengths served eager and under the CPU graph runner by servers sized for "
+                             "--context (instead of the three servers)")
+    parser.add_argument("--out", default=None, help="JSON output (default results/gemma3_serve.json; --quick: "
+                        "results/gemma3_serve_quick.json; --captured: results/gemma3_captured.json)")
     args = parser.parse_args(argv)
+    if args.captured:
+        return captured(args)
     context = 8192 if args.quick else args.context
     out_path = args.out or ("results/gemma3_serve_quick.json" if args.quick else "results/gemma3_serve.json")
     with open(os.path.join(args.model, "config.json")) as f:
@@ -164,6 +176,46 @@ def main(argv=None) -> int:
           flush=True)
     write_result(out_path, report)
     print(f"wrote {out_path}")
+    return 0
+
+
+def captured(args) -> int:
+    """Decode per request length, eager against SGLang's CPU graph runner, offloading and the recall
+    scheduler on, both servers sized for ``--context``."""
+    if max(args.captured) > args.context:
+        raise SystemExit(f"--captured: every request length must fit --context ({args.context})")
+    with open(os.path.join(args.model, "config.json")) as f:
+        hf = json.load(f)
+    cfg = nosa_config(args.context, args.share)
+    work = tempfile.mkdtemp(prefix="bench_gemma_")
+    env = {**offload_env(args.context + 4096, cfg.topk_blocks * BLOCK, os.path.join(work, "stats.json")),
+           "NOSA_CONFIG": cfg.to_json(), "NOSA_RECALL_SCHEDULER": "1"}
+    flags = ["--attention-backend", "nosa", "--page-size", str(BLOCK), "--context-length", str(args.context),
+             "--disable-radix-cache", "--chunked-prefill-size", "4096"]
+    report = {"model": args.model, "server_context": args.context, "contexts": args.captured,
+              "new_tokens": args.new_tokens, "dtype": "float32", "nosa_config": cfg.to_dict(), "servers": {}}
+    for name, extra in (("eager", []), ("captured", ["--enable-torch-compile", "--cuda-graph-bs-decode", "1"])):
+        log = os.path.join(work, f"{name}.log")
+        start = time.perf_counter()  # the graph runner compiles the whole model at start-up: minutes here
+        server = start_server(args.model, [*flags, *extra], log, env=env, threads=args.threads, timeout=3600)
+        start_s = time.perf_counter() - start
+        try:
+            rows = []
+            for context in args.captured:
+                rows.append({"context": context,
+                             **measure(server, [prompt(context, args.new_tokens, hf["vocab_size"], hf["bos_token_id"])],
+                                       args.new_tokens)})
+                print(json.dumps({name: rows[-1]}), flush=True)
+        finally:
+            server.stop()
+        report["servers"][name] = {"server_start_s": round(start_s, 1), "results": rows}
+    eager, graphs = (report["servers"][n]["results"] for n in ("eager", "captured"))
+    report["captured_over_eager_speed"] = {
+        str(e["context"]): round(e["ms_per_decode_step"] / g["ms_per_decode_step"], 3) for e, g in zip(eager, graphs)}
+    print(json.dumps(report["captured_over_eager_speed"]), flush=True)
+    out = args.out or "results/gemma3_captured.json"
+    write_result(out, report)
+    print(f"wrote {out}")
     return 0
 
 

@@ -153,7 +153,14 @@ class DecodeRunner:
         self.pool.frozen = torch.device(self.buffers.device).type == "cuda"
 
     def static_spans(self) -> ReadSpans:
-        return ReadSpans(self.pool.max_windows, self.pool.max_blocks, read_width(self.cfg), True)
+        """The spans of a step that may be captured. A CUDA graph replays its kernels' launches as
+        recorded: it reads the longest context's spans. SGLang's CPU graph runner replays code
+        torch.compile generated, in which the selection picks one of a few context buckets on the
+        step's lengths (StatePool.select with no spans): a server sized for long contexts then runs
+        its short requests' steps without scoring the longest context's compressed keys."""
+        if torch.device(self.buffers.device).type == "cuda":
+            return ReadSpans(self.pool.max_windows, self.pool.max_blocks, read_width(self.cfg), True)
+        return ReadSpans(None, None, read_width(self.cfg), True)
 
     # ---- host side -----------------------------------------------------------------------------
     def prepare(self, metadata: ForwardMetadata, warm: list[bool] | None = None) -> StepInputs:

@@ -85,15 +85,17 @@ def captured() -> bool:
 class ReadSpans:
     """How far a decode step reads per request: ``windows`` compressed keys, ``blocks`` static
     keys and ``width`` blocks to attend (nosa.decode.read_blocks). ``static``: the step may be
-    captured, so the spans are the longest context's and nothing may synchronise with the host;
+    captured, so nothing may synchronise with the host and the shapes may not follow the batch:
+    ``windows`` / ``blocks`` are the longest context's (a CUDA graph), or None, a context bucket
+    the selection picks on the lengths (SGLang's CPU graph runner: StatePool.select);
     otherwise they follow the batch (a shorter context reads less). In a step that is not
     captured, what the host knows lets it skip work: ``completes``, whether a request's new token
     may complete a compressed window or a block (else the state only records the token);
     ``dense``, when every request is within dense_len, their (row, length): the step skips the
     selection and attends each context densely, as torch_native does."""
 
-    windows: int
-    blocks: int
+    windows: int | None
+    blocks: int | None
     width: int
     static: bool
     completes: bool = True

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nosa import EvictionHead, NosaConfig, NosaDecodeState
+from nosa import EvictionHead, NosaConfig, NosaDecodeState, state_pool
 from nosa.decode import decode_select
 from nosa.kv import ContiguousKV
 from nosa.state_pool import SPARE_PAGE, StatePool, pages_for
@@ -76,10 +76,12 @@ def test_batched_step_equals_the_state_step_by_step(name):
             assert torch.equal(b.static_keys, a.static_keys), step
 
 
-def test_wider_spans_give_the_same_selection():
-    """A captured step reads the longest context's spans: the result does not depend on them."""
+def test_wider_spans_give_the_same_selection(monkeypatch):
+    """A captured CUDA graph reads the longest context's spans, a step captured for SGLang's CPU
+    graph runner its context bucket's: the result does not depend on them. The bucket is the
+    shortest that holds the batch's longest context."""
     cfg = CONFIGS["released"]
-    pool = _pool(cfg)
+    pool = _pool(cfg, max_context=1024)
     k, cis = _seq(200, seed=3)
     state = pool.open(3, 0)
     state.append(ContiguousKV(k[:199], None, cis[:199]))
@@ -91,6 +93,18 @@ def test_wider_spans_give_the_same_selection():
     tight = pool.select(0, rows, lengths, q, 0.3, cfg.num_compressed(200), cfg.num_blocks(200))
     wide = pool.select(0, rows, lengths, q, 0.3, pool.max_windows, pool.max_blocks)
     assert torch.equal(tight, wide)
+    # buckets: the pool's longest context halved down to the budget (8 blocks of 16), at most 4
+    assert pool.span_limits() == [128, 256, 512, 1024]
+    spans = []
+    select_pages = state_pool._select_pages
+    monkeypatch.setattr(state_pool, "_select_pages", lambda *a: spans.append(a[-2:]) or select_pages(*a))
+    assert torch.equal(pool.select(0, rows, lengths, q, 0.3, None, None), tight)
+    assert spans == [(cfg.num_compressed(256), cfg.num_blocks(256))]
+    monkeypatch.setenv("NOSA_GRAPH_SPAN_BUCKETS", "1")  # one bucket: the longest context's spans
+    assert pool.span_limits() == [1024]
+    monkeypatch.setenv("NOSA_GRAPH_SPAN_BUCKETS", "0")
+    with pytest.raises(ValueError, match="NOSA_GRAPH_SPAN_BUCKETS=0 must be >= 1"):
+        pool.span_limits()
 
 
 def test_padding_rows_change_nothing_but_the_spare_page():

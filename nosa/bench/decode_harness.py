@@ -93,12 +93,12 @@ class _HostPool:
 class DecodeHarness:
     def __init__(self, cfg: NosaConfig, lengths: list[int], offload: bool = False, device="cpu", num_layers: int = 2,
                  hq: int = 4, hkv: int = 2, head_dim: int = 16, new_tokens: int = 64, seed: int = 0,
-                 host_kv_dtype: torch.dtype | None = None):
+                 host_kv_dtype: torch.dtype | None = None, max_context: int | None = None):
         self.cfg, self.device, self.num_layers, self.offload = cfg, torch.device(device), num_layers, offload
         self.hq, self.hkv, self.d, self.seed = hq, hkv, head_dim, seed
         self.lengths = list(lengths)  # prompt lengths; each step adds one token
         rows = len(lengths) + 1  # row 0: SGLang's padding row
-        max_context = max(lengths) + new_tokens + 1
+        max_context = max(max(lengths) + new_tokens + 1, max_context or 0)  # the server's longest context
         g = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)
         self.heads = [EvictionHead(hkv, head_dim).to(self.device) for _ in range(num_layers)]

@@ -1,5 +1,6 @@
 """The docs' tables of Gemma 3 270M served at long context (scripts/bench_gemma.py:
-results/gemma3_serve.json at 16K, results/gemma3_serve_32k.json at 32K): registered like
+results/gemma3_serve.json at 16K, results/gemma3_serve_32k.json at 32K, results/gemma3_captured.json:
+eager against the CPU graph runner): registered like
 ``report_tables``' renderers."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from nosa.bench.report_tables import load, pct, renders, table, times
 
 GEMMA = "results/gemma3_serve.json"
 GEMMA_32K = "results/gemma3_serve_32k.json"
+CAPTURED = "results/gemma3_captured.json"
 SERVERS = (("torch_native", "torch_native"), ("nosa_off", "nosa, offloading off"),
            ("nosa_offload", "nosa, offloading + recall scheduler"))
 
@@ -53,3 +55,18 @@ def _served(data: dict) -> str:
         f"over all steps), {off['recalled_bytes_per_step'] / 1e3:.0f} KB recalled per decode step.",
     ]
     return "\n".join(lines)
+
+
+@renders(CAPTURED)
+def gemma3_captured(root: Path) -> str:
+    """bench_gemma --captured: decode per request length, eager and under SGLang's CPU graph runner."""
+    data = load(root, CAPTURED)
+    eager, graphs = (data["servers"][n] for n in ("eager", "captured"))
+    rows = [[f"{e['context'] // 1024}K", e["ms_per_decode_step"], g["ms_per_decode_step"],
+             f"**{times(data['captured_over_eager_speed'][str(e['context'])])}**"]
+            for e, g in zip(eager["results"], graphs["results"])]
+    return (table(["request", "eager ms / step", "CPU graph runner ms / step", "captured speed over eager"], rows)
+            + f"\n\nBoth servers sized for {data['server_context'] // 1024}K tokens, offloading and the recall "
+            f"scheduler on, one request at a time, {data['new_tokens']} greedy tokens each; server start-up "
+            f"{eager['server_start_s']:.0f} s eager, {graphs['server_start_s']:.0f} s with the graph runner "
+            "(it compiles the model).")

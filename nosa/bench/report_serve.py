@@ -194,6 +194,24 @@ def serve_graphs(root: Path) -> str:
             + f"\n\n{data['model']}.")
 
 
+@renders("results/serve_graphs_ctx.json")
+def serve_graphs_ctx(root: Path) -> str:
+    """Eager against the CPU graph runner per context, in servers sized for the longest: medians over
+    the paired rounds."""
+    data = load(root, "results/serve_graphs_ctx.json")
+    rounds = data.get("ratios_by_round") or [data["ratios"]]
+    rows = []
+    for context in sorted({r["context"] for r in data["results"]}):
+        ms = {v: statistics.median(r["ms_per_decode_step"] for r in data["results"]
+                                   if r["backend"] == v and r["context"] == context) for v in ("nosa", "nosa+compile")}
+        speed = [r[str(context)]["nosa_over_nosa_compile"] for r in rounds]
+        rows.append([f"{context // 1024}K", ms["nosa"], ms["nosa+compile"],
+                     f"**{times(statistics.median(speed))}** ({times(min(speed))} to {times(max(speed))})"])
+    return (table(["context", "eager ms / step", "CPU graph runner ms / step",
+                   f"captured speed over eager, median of {len(rounds)} paired rounds (range)"], rows)
+            + f"\n\n{data['model']}; batch {data['results'][0]['batch']}; both servers sized for the longest context.")
+
+
 @renders("results/serve_tp.json")
 def serve_tp(root: Path) -> str:
     data = load(root, "results/serve_tp.json")

@@ -83,12 +83,14 @@ def test_fixed_shape_step_equals_the_spec(offload, prompts):
 
 
 @pytest.mark.parametrize("offload", [False, True])
-def test_compiled_step_equals_eager_without_recompiling(offload):
+def test_compiled_step_equals_eager_without_recompiling(offload, monkeypatch):
     """The step under torch.compile(fullgraph=True, dynamic=False) with inductor, as SGLang's CPU
     graph runner compiles it (captured on a batch of padding rows only, as the runner does), then
     run on real batches whose lengths change every step: same outputs and selections as eager,
-    one compilation. The compiled step writes the states in place: no generated loop runs over all
-    the pages of a layer (functionalization turns a write through a view of a stacked [layers, ...]
+    one compilation, whichever context bucket the selection picks (StatePool.span_limits: here 134
+    and 268 tokens, the 40-token request alone in the first; one with offloading). The compiled
+    step writes the states in place: no generated loop runs over all the pages of a layer
+    (functionalization turns a write through a view of a stacked [layers, ...]
     tensor into a copy of all of it every step, a cost that grows with the server's capacity), nor,
     with offloading, over a layer's host pool or device block cache (a write through a view of a
     buffer that the recall's operator mutated was compiled into a copy of the whole buffer)."""
@@ -96,6 +98,8 @@ def test_compiled_step_equals_eager_without_recompiling(offload):
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
+    if offload:  # the buckets do not depend on where the KV is: one (a shorter compile) with offloading
+        monkeypatch.setenv("NOSA_GRAPH_SPAN_BUCKETS", "1")
     eager = DecodeHarness(CFG, PROMPTS, offload=offload, seed=2)
     graph = DecodeHarness(CFG, PROMPTS, offload=offload, seed=2)
     for h in (eager, graph):
@@ -114,7 +118,8 @@ def test_compiled_step_equals_eager_without_recompiling(offload):
         assert f"<static_cast<int64_t>({t.numel()}L)" not in "".join(code), f"the compiled step copies {name} whole"
     with torch._dynamo.config.patch(error_on_recompile=True):
         for step in range(12):
-            rows = [1, 2, 3] if step % 4 else [2, 3, 0]  # a padding row in some steps
+            # padding rows in some steps; [1, 0, 0]: the 40-token request alone, a shorter context bucket
+            rows = [[2, 3, 0], [1, 2, 3], [1, 0, 0], [1, 2, 3]][step % 4]
             q, k, v = eager.new_tokens(step)
             eager.begin(rows)
             graph.begin(rows)

@@ -125,7 +125,8 @@ def test_fill_value_in_place_metadata_and_padding(ckpt):
         assert [t.data_ptr() for t in (inputs.rows, inputs.lengths, inputs.real, inputs.warm)] == buffers
         assert inputs.rows.tolist() == rows and inputs.lengths.tolist() == lengths
         assert inputs.real.tolist() == [True, True, False, False]
-        assert inputs.spans.static and inputs.spans.blocks == backend.states.pool.max_blocks
+        # on CPU the selection's operator finds the batch's spans (a CUDA graph reads the longest context's)
+        assert inputs.spans.static and inputs.spans.blocks is None and inputs.spans.windows is None
         _decode(backend, fb, seed=10 + step)
     for row, n in prompts.items():
         for layer in range(LAYERS):

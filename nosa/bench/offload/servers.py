@@ -17,14 +17,14 @@ from nosa.config import NosaConfig
 from nosa.train.synthetic import make_example
 
 
-def start_server(ckpt, args, log, env=None, threads=None):
+def start_server(ckpt, args, log, env=None, threads=None, timeout: float = 600):
     env = dict(env or {})
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     # a long prefill forward on a shared 2-core CPU can outlast SGLang's 300 s scheduler watchdog
     return ServerProcess(ckpt, ["--skip-server-warmup", "--dtype", "float32", "--mem-fraction-static", "0.3",
                                 "--watchdog-timeout", "7200", *args],
-                         log, env=env).wait_ready(timeout=600)
+                         log, env=env).wait_ready(timeout=timeout)
 
 
 def offload_env(host, device, stats):
