@@ -127,3 +127,16 @@ def test_the_suite_timer_reads_pytest_junit(tmp_path):
         {"test": "tests/test_y.py::test_b", "seconds": 0.25, "outcome": "skipped"},
         {"test": "tests/test_y.py::test_c", "seconds": 1.0, "outcome": "failed"},
     ]
+
+
+def test_the_docs_line_says_what_changed_while_a_run_ran(tmp_path):
+    """A commit during the run and an edit during the run read differently under the figures."""
+    from nosa.bench.report import provenance_line
+
+    base = {"command": "python scripts/x.py", "commit": "a" * 40, "dirty": False, "machine": {}, "date": "2026-12-04"}
+    cases = {"committed.json": {"commit": "b" * 40, "dirty": False}, "edited.json": {"commit": "a" * 40, "dirty": True}}
+    for name, at in cases.items():
+        (tmp_path / name).write_text(json.dumps({"provenance": {**base, "written_at": at}}))
+    committed, edited = (provenance_line(tmp_path, name) for name in cases)
+    assert "Written at commit `bbbbbbb`, committed while it ran." in committed
+    assert "committed" not in edited and "Tracked files were edited while it ran." in edited

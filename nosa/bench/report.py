@@ -46,8 +46,12 @@ def provenance_line(root: Path, name: str) -> str:
     dirty = " with uncommitted changes" if p.get("dirty") else ""
     recorded = f" (provenance recorded {p['recorded']})" if p.get("recorded") else ""
     note = f" {p['note']}" if p.get("note") else ""
-    if p.get("written_at"):  # commits came while it ran: the run's code is the commit it started from
-        note += f" Written at commit `{str(p['written_at']['commit'])[:7]}`, committed while it ran."
+    if p.get("written_at"):  # the tree changed while it ran: the run's code is the one it started from
+        at = p["written_at"]
+        if at["commit"] != p.get("commit"):
+            note += f" Written at commit `{str(at['commit'])[:7]}`, committed while it ran."
+        elif at.get("dirty"):
+            note += " Tracked files were edited while it ran."
     parts = data.get("parts") or []
     if parts:
         commits = ", ".join(sorted({f"`{str(q.get('commit'))[:7]}`" for q in parts}))
