@@ -6,7 +6,8 @@ eviction heads, one graph, for batches of 3 (batches of 1 and 2 run it padded to
 - the served tokens equal the HF model's (which the eager servers of test_sglang_backend.py and
   test_offload.py equal), three long prompts at once, then two (a padding row);
 - the decode batches ran through the compiled graph (SGLang logs "cpu graph: True") and nothing
-  was compiled again after the capture (TORCH_LOGS=recompiles);
+  was compiled again after the capture (TORCH_LOGS=recompiles), whichever context bucket a batch's
+  selection took;
 - with offloading the counters add up and every state and device slot comes back.
 """
 
@@ -44,10 +45,13 @@ def _server_env(extra: dict) -> dict:
     """The server's environment: the stand-in of this checkout first on the path (its operator
     declarations let the CPU graph runner start), recompilations logged, inductor compiling in the
     scheduler itself (its pool of compile workers is one more process importing torch, and buys
-    nothing while the two servers already keep both cores busy)."""
+    nothing while the two servers already keep both cores busy), three context buckets for the
+    selection (256, 512 and 1,024 tokens: the batches with a long prompt take the second, the short
+    prompt alone the first; each bucket is compiled at start-up)."""
     import sgl_kernel
 
-    env = {"TORCH_LOGS": "recompiles", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", **extra}
+    env = {"TORCH_LOGS": "recompiles", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+           "NOSA_GRAPH_SPAN_BUCKETS": "3", **extra}
     if getattr(sgl_kernel, "IS_NOSA_STANDIN", False):
         standin = os.path.join(ROOT, "serve", "tools", "sgl_kernel_standin")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (standin, os.environ.get("PYTHONPATH")) if p)
