@@ -248,7 +248,7 @@ class StatePool:
         cfg, table, ck, static = self.cfg, self.table, self.ck[layer], self.static[layer]
         limits = self.span_limits()
 
-        def within(limit: int):  # the layer's tensors are operands: every layer's branches are the same graphs
+        def within(limit: int):  # a branch of torch.cond: the tensors it reads come as its operands
             return lambda q, rows, lengths, table, ck, static: _select_pages(
                 cfg, table, ck, static, rows, lengths, q, scale, cfg.num_compressed(limit), cfg.num_blocks(limit))
 

@@ -162,9 +162,15 @@ def serve_decode(root: Path) -> str:
 @renders("results/serve_decode_flat64k.json")
 def serve_flat(root: Path) -> str:
     data = load(root, "results/serve_decode_flat64k.json")
-    rows = [[f"{r['context'] // 1024}K", r["ms_per_decode_step"], r["cpu_ms_per_decode_step"]] for r in data["results"]]
-    return (table(["context", "nosa ms / step", "CPU ms / step"], rows)
-            + f"\n\nLongest over shortest context: {times(data['ratios']['nosa_longest_over_shortest'])}.")
+    contexts = sorted({r["context"] for r in data["results"]})
+    rows = [[f"{n // 1024}K"] + [statistics.median(r[k] for r in data["results"] if r["context"] == n)
+                                 for k in ("ms_per_decode_step", "cpu_ms_per_decode_step")] for n in contexts]
+    rounds = data.get("ratios_by_round")
+    paired = "" if not rounds else (
+        f" (median of {len(rounds)} rounds, each context measured seconds apart in each: "
+        + ", ".join(times(r["nosa_longest_over_shortest"]) for r in rounds) + ")")
+    return (table(["context", "nosa ms / step" + (" (median)" if rounds else ""), "CPU ms / step"], rows)
+            + f"\n\nLongest over shortest context: {times(data['ratios']['nosa_longest_over_shortest'])}{paired}.")
 
 
 @renders("results/serve_prefill.json")
