@@ -44,6 +44,7 @@ class StatePool:
         self.max_context = max_context
         self.max_blocks = cfg.num_blocks(max_context)
         self.max_windows = cfg.num_compressed(max_context)
+        self._span_limits = self._buckets()
         self.tail_len = max(cfg.compress_kernel, cfg.block_size)
         # block -> page; column max_blocks is the spare column of writes that complete nothing
         self.table = torch.zeros(num_rows, self.max_blocks + 1, dtype=torch.long, device=device)
@@ -232,11 +233,14 @@ class StatePool:
         return sel
 
     def span_limits(self) -> list[int]:
-        """The context buckets of ``select`` without spans, shortest first: the server's longest
-        context, halved while a half still holds the budget (``topk_blocks`` blocks), at most
-        $NOSA_GRAPH_SPAN_BUCKETS of them. A bucket reads at most twice what its longest request
-        needs (but the shortest); each is one more copy of the selection for torch.compile to
-        compile."""
+        """The context buckets of ``select`` without spans, shortest first (read once, when the
+        pool is made): the server's longest context, halved while a half still holds the budget
+        (``topk_blocks`` blocks), at most $NOSA_GRAPH_SPAN_BUCKETS of them. A bucket reads at most
+        twice what its longest request needs (but the shortest); each is one more copy of the
+        selection for torch.compile to compile."""
+        return self._span_limits
+
+    def _buckets(self) -> list[int]:
         cfg, most = self.cfg, env.integer("NOSA_GRAPH_SPAN_BUCKETS", minimum=1)
         limits = [self.max_context]
         while len(limits) < most and limits[-1] // 2 >= cfg.topk_blocks * cfg.block_size:

@@ -49,6 +49,7 @@ from nosa.checkpoint_format import nosa_layers
 from nosa.config import NosaConfig
 
 BLOCK = 64
+SERVER_FLAGS = ["--disable-radix-cache", "--chunked-prefill-size", "4096"]  # every server here, beside its context
 MARGIN = 8  # tokens of the context the request leaves free
 
 
@@ -58,6 +59,13 @@ def nosa_config(context: int, share: float) -> NosaConfig:
     budget = max(8, int(context / BLOCK * share))
     return NosaConfig(block_size=BLOCK, compress_kernel=32, compress_stride=16, sink_blocks=1,
                       window_blocks=max(2, budget // 4), query_blocks=2, topk_blocks=budget, dense_len=0)
+
+
+def offloaded_env(context: int, cfg: NosaConfig, stats: str) -> dict:
+    """The environment of a nosa server with offloading and the recall scheduler: a host pool for
+    ``context`` tokens and a margin, device slots for one request's budget."""
+    return {**offload_env(context + 4096, cfg.topk_blocks * BLOCK, stats), "NOSA_CONFIG": cfg.to_json(),
+            "NOSA_RECALL_SCHEDULER": "1"}
 
 
 def prompt(context: int, new_tokens: int, vocab: int, bos: int) -> list[int]:
@@ -111,8 +119,8 @@ def main(argv=None) -> int:
         """One server with ``flags`` (and the flags every server here shares) given the request:
         (bench_serve's measurement, the server's log)."""
         log = os.path.join(work, f"{name}.log")
-        server = start_server(args.model, [*flags, "--context-length", limit, "--disable-radix-cache",
-                                           "--chunked-prefill-size", "4096"], log, env=env, threads=args.threads)
+        server = start_server(args.model, [*flags, "--context-length", limit, *SERVER_FLAGS], log, env=env,
+                              threads=args.threads)
         try:
             measured = measure(server, [ids], args.new_tokens)
         finally:
@@ -140,9 +148,7 @@ def main(argv=None) -> int:
 
     # ---- nosa: the full layers offloaded, the sliding layers' windows on the device -------------
     stats = os.path.join(work, "stats.json")
-    device_tokens = cfg.topk_blocks * BLOCK  # one request's block slots
-    env = {**offload_env(context + 4096, device_tokens, stats), "NOSA_CONFIG": cfg.to_json(),
-           "NOSA_RECALL_SCHEDULER": "1"}
+    env = offloaded_env(context, cfg, stats)
     offloaded, text = served("nosa", ["--attention-backend", "nosa", "--page-size", str(BLOCK)], env=env)
     states = logged(text, r"decode states of (\d+) request rows, contexts up to \d+ tokens: ([\d.]+) MiB")
     rings = logged(text, r"(\d+) sliding-window layers \(window \d+\) on the device: "
@@ -188,10 +194,9 @@ def captured(args) -> int:
         hf = json.load(f)
     cfg = nosa_config(args.context, args.share)
     work = tempfile.mkdtemp(prefix="bench_gemma_")
-    env = {**offload_env(args.context + 4096, cfg.topk_blocks * BLOCK, os.path.join(work, "stats.json")),
-           "NOSA_CONFIG": cfg.to_json(), "NOSA_RECALL_SCHEDULER": "1"}
+    env = offloaded_env(args.context, cfg, os.path.join(work, "stats.json"))
     flags = ["--attention-backend", "nosa", "--page-size", str(BLOCK), "--context-length", str(args.context),
-             "--disable-radix-cache", "--chunked-prefill-size", "4096"]
+             *SERVER_FLAGS]
     report = {"model": args.model, "server_context": args.context, "contexts": args.captured,
               "new_tokens": args.new_tokens, "dtype": "float32", "nosa_config": cfg.to_dict(), "servers": {}}
     for name, extra in (("eager", []), ("captured", ["--enable-torch-compile", "--cuda-graph-bs-decode", "1"])):

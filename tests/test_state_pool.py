@@ -101,10 +101,10 @@ def test_wider_spans_give_the_same_selection(monkeypatch):
     assert torch.equal(pool.select(0, rows, lengths, q, 0.3, None, None), tight)
     assert spans == [(cfg.num_compressed(256), cfg.num_blocks(256))]
     monkeypatch.setenv("NOSA_GRAPH_SPAN_BUCKETS", "1")  # one bucket: the longest context's spans
-    assert pool.span_limits() == [1024]
+    assert _pool(cfg, max_context=1024).span_limits() == [1024]
     monkeypatch.setenv("NOSA_GRAPH_SPAN_BUCKETS", "0")
     with pytest.raises(ValueError, match="NOSA_GRAPH_SPAN_BUCKETS=0 must be >= 1"):
-        pool.span_limits()
+        _pool(cfg, max_context=1024).span_limits()
 
 
 def test_padding_rows_change_nothing_but_the_spare_page():

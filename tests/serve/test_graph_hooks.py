@@ -125,7 +125,7 @@ def test_fill_value_in_place_metadata_and_padding(ckpt):
         assert [t.data_ptr() for t in (inputs.rows, inputs.lengths, inputs.real, inputs.warm)] == buffers
         assert inputs.rows.tolist() == rows and inputs.lengths.tolist() == lengths
         assert inputs.real.tolist() == [True, True, False, False]
-        # on CPU the selection's operator finds the batch's spans (a CUDA graph reads the longest context's)
+        # on CPU the selection picks a context bucket on the lengths (a CUDA graph reads the longest context's)
         assert inputs.spans.static and inputs.spans.blocks is None and inputs.spans.windows is None
         _decode(backend, fb, seed=10 + step)
     for row, n in prompts.items():
