@@ -3,6 +3,9 @@
 The prompt is what SGLang's ``/v1/chat/completions`` builds: the template rendered as text (with the
 generation prompt), then tokenised without adding special tokens again (the template already
 starts with the model's own ``<|im_start|>``-style token).
+
+A base model (Gemma 3 270M) has no chat template: its "turn" is RULER's ``base`` template, the
+model's ``<bos>`` then the message as plain text, and a newline where a chat model's reply starts.
 """
 
 from __future__ import annotations
@@ -10,9 +13,16 @@ from __future__ import annotations
 import torch
 
 
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def chat_text(tokenizer, message: str) -> str:
     """A one-turn chat as text: the template's default system turn, ``message`` as the user, then
-    the assistant's generation prompt."""
+    the assistant's generation prompt. Without a chat template (a base model): ``<bos>``, the
+    message, a newline."""
+    if not has_chat_template(tokenizer):
+        return (tokenizer.bos_token or "") + message + "\n"
     return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                          add_generation_prompt=True)
 

@@ -15,6 +15,8 @@ What differs from a stock RULER run, and why:
 - The model's own chat template wraps the task text (RULER's ``Templates`` has none for
   SmolLM2's ChatML); the answer prefix then opens the assistant's reply, as RULER appends it after
   its chat templates' assistant tag (its leading space dropped after the template's newline).
+  A base model without a chat template (Gemma 3 270M) gets RULER's own ``base`` template: the
+  model's ``<bos>``, the task text, the answer prefix, as stock RULER writes them.
 - The generators are given the length minus the chat template's tokens, so that template, task
   text and the task's ``tokens_to_generate`` fit in the length. fwe's generator fills its text up to
   that limit without keeping room for the reply (stock RULER's fwe prompts run over the length by up
@@ -33,7 +35,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from nosa.chat import chat_text
+from nosa.chat import chat_text, has_chat_template
 from nosa.train.ruler import Example
 
 SEED = 42  # RULER's prepare.py: random_seed 42 (+ the chunk index; one chunk here)
@@ -128,8 +130,17 @@ def generate(cfg: TaskConfig, tokenizer_dir: str, max_seq_length: int, count: in
 
 
 def chat_overhead(tokenizer) -> int:
-    """Tokens the chat template adds around a message."""
-    return len(tokenizer(chat_text(tokenizer, ""), add_special_tokens=False)["input_ids"])
+    """Tokens the chat template adds around a message (a base model: its <bos>)."""
+    return len(tokenizer(_wrap(tokenizer, "", ""), add_special_tokens=False)["input_ids"])
+
+
+def _wrap(tokenizer, user: str, prefix: str) -> str:
+    """The prompt's text: the user's turn through the chat template, the answer prefix opening the
+    reply (its leading space dropped after the template's newline); for a base model, RULER's
+    ``base`` template: <bos>, the task text, the answer prefix."""
+    if not has_chat_template(tokenizer):
+        return (tokenizer.bos_token or "") + user + prefix
+    return chat_text(tokenizer, user.strip()) + prefix.lstrip()
 
 
 def to_example(tokenizer, cfg: TaskConfig, row: dict, length: int) -> Example:
@@ -140,7 +151,7 @@ def to_example(tokenizer, cfg: TaskConfig, row: dict, length: int) -> Example:
     if not head:
         raise ValueError(f"RULER row {cfg.name}/{row['index']}: the answer-prefix mark is missing from its input")
     user = head.replace(_MARK, "")  # cwe's worked example holds the mark too: RULER's base template there
-    prompt = chat_text(tokenizer, user.strip()) + prefix.lstrip()
+    prompt = _wrap(tokenizer, user, prefix)
     question = prompt.rfind(QUESTION_STARTS[cfg.generator])
     if question < 0:
         raise ValueError(f"RULER row {cfg.name}/{row['index']}: no question after the context")

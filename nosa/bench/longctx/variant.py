@@ -5,6 +5,7 @@ decode steps, its perplexity on a window, and the cache of dense results by chec
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -95,19 +96,18 @@ class DenseCache:
             os.replace(self.path + ".tmp", self.path)
 
 
-def context_kv(model, ids):
-    """Dense prefill of ids [T] with ``model``: per-layer (keys, values) of its KV cache."""
+def context_kv(model, ids) -> DynamicCache:
+    """Dense prefill of ids [T] with ``model``: its KV cache (every variant continues from a copy)."""
     with torch.no_grad():
         out = model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
-    return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+    return out.past_key_values
 
 
-def cache_from(model, kv):
-    """A new transformers DynamicCache holding ``kv`` (None: empty); ``kv`` stays untouched."""
-    cache = DynamicCache(config=model.config)
-    for i, (k, v) in enumerate(kv or []):
-        cache.update(k, v, i)
-    return cache
+def cache_from(model, kv: DynamicCache | None) -> DynamicCache:
+    """A copy of the context's cache ``kv`` (None: a new empty one); ``kv`` stays untouched. A copy
+    of the whole object, not its tensors re-added: a sliding-window layer (Gemma 3) keeps only its
+    window but counts every token seen, and the continuation's positions come from that count."""
+    return DynamicCache(config=model.config) if kv is None else copy.deepcopy(kv)
 
 
 def run_variant(variant: Variant, length: int, ex, kv, eos: int, settled) -> dict:
