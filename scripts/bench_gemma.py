@@ -4,11 +4,19 @@ KV in SGLang's pool) and nosa with offloading and the recall scheduler, side by 
     python scripts/bench_gemma.py --quick                  # 8K, about 6 minutes on 2 cores
     python scripts/bench_gemma.py --context 16384          # -> results/gemma3_serve.json (32K: about an hour here)
     python scripts/bench_gemma.py --captured 2048 8192 32768   # CPU graph runner vs eager, one 32K server each
+    python scripts/bench_gemma.py --onoff 3                # offloading on vs off at 32K, 3 paired rounds (~20 min)
 
 ``--captured CONTEXTS``: instead of the three servers, nosa with offloading and the recall scheduler
 served twice, eager and under SGLang's CPU graph runner (``--enable-torch-compile``, one graph: batch
 1), each server sized for ``--context`` and given one request of each of CONTEXTS tokens in turn
 (-> results/gemma3_captured.json: decode ms per step of both, per context).
+
+``--onoff ROUNDS``: offloading's own cost, paired. The two nosa servers (offloading off; offloading
+and the recall scheduler on) are both started, all but the measured one paused (SIGSTOP, as
+bench_serve's ``--interleave``), and each round gives each one request of ``--context`` tokens, a
+different server first each round, so the two of a round ran a few minutes apart on the same
+machine (-> results/gemma3_onoff.json: per round both servers' prefill and decode, the on/off
+ratios per round and their medians). A single run's ratio moved by tens of percent here.
 
 Each server gets one request of ``--context`` tokens (<bos>, then random ids) and streams
 ``--new-tokens`` greedy tokens (bench_serve's measurement: prefill seconds until the first token,
@@ -33,8 +41,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -44,6 +54,7 @@ import torch
 from nosa.bench.offload.servers import offload_env, start_server
 from nosa.bench.results import write_result
 from nosa.bench.server.measure import measure
+from nosa.bench.server.process import stop_all
 from nosa.bench.server.stats import offload_counters
 from nosa.checkpoint_format import nosa_layers
 from nosa.config import NosaConfig
@@ -93,11 +104,21 @@ def main(argv=None) -> int:
     parser.add_argument("--captured", type=int, nargs="+", default=None, metavar="CONTEXT",
                         help="request lengths served eager and under the CPU graph runner by servers sized for "
                              "--context (instead of the three servers)")
+    parser.add_argument("--onoff", type=int, default=0, metavar="ROUNDS",
+                        help="paired rounds of the two nosa servers, offloading off and on, both up and "
+                             "measured in turn (instead of the three servers)")
     parser.add_argument("--out", default=None, help="JSON output (default results/gemma3_serve.json; --quick: "
-                        "results/gemma3_serve_quick.json; --captured: results/gemma3_captured.json)")
+                        "results/gemma3_serve_quick.json; --captured: results/gemma3_captured.json; --onoff: "
+                        "results/gemma3_onoff.json)")
     args = parser.parse_args(argv)
+    if args.captured and args.onoff:
+        parser.error("--captured and --onoff are two different runs: give one")
+    if args.onoff < 0:
+        parser.error(f"--onoff takes a number of rounds, got {args.onoff}")
     if args.captured:
         return captured(args)
+    if args.onoff:
+        return onoff(args)
     context = 8192 if args.quick else args.context
     out_path = args.out or ("results/gemma3_serve_quick.json" if args.quick else "results/gemma3_serve.json")
     with open(os.path.join(args.model, "config.json")) as f:
@@ -219,6 +240,93 @@ def captured(args) -> int:
         str(e["context"]): round(e["ms_per_decode_step"] / g["ms_per_decode_step"], 3) for e, g in zip(eager, graphs)}
     print(json.dumps(report["captured_over_eager_speed"]), flush=True)
     out = args.out or "results/gemma3_captured.json"
+    write_result(out, report)
+    print(f"wrote {out}")
+    return 0
+
+
+def weight_bytes(model_dir: str) -> int:
+    """Bytes of every weight of the checkpoint (its safetensors' headers; float32 here)."""
+    from safetensors import safe_open  # optional: safetensors (transformers brings it)
+
+    size = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+    total = 0
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, name), "pt") as f:
+                for key in f.keys():
+                    part = f.get_slice(key)
+                    total += math.prod(part.get_shape()) * size[part.get_dtype()]
+    return total
+
+
+def decode_bytes(model_dir: str, hf: dict, context: int, cfg: NosaConfig, itemsize: int = 4) -> dict:
+    """What one decode step of one request at ``context`` tokens must read, in bytes: every weight
+    once (the tied embedding as the LM head), and its KV. torch_native reads every layer's whole
+    context (SGLang's torch_native masks a sliding layer's window out of the whole context); nosa
+    reads the full layers' budget, the compressed keys its selection scores, and the sliding
+    layers' windows. A step bound by these bytes (a GPU's decode) is at most ``bound`` times
+    faster with nosa."""
+    full = len(nosa_layers(hf))
+    per_token = hf["num_key_value_heads"] * 2 * hf["head_dim"] * itemsize  # K and V of one layer
+    weights = weight_bytes(model_dir)
+    native = hf["num_hidden_layers"] * per_token * context
+    budget = full * per_token * min(context, cfg.topk_blocks * cfg.block_size)
+    compressed = full * cfg.num_compressed(context) * hf["num_key_value_heads"] * hf["head_dim"] * itemsize
+    windows = (hf["num_hidden_layers"] - full) * per_token * min(context, hf["sliding_window"])
+    nosa = budget + compressed + windows
+    return {"weights": weights, "lm_head": hf["vocab_size"] * hf["hidden_size"] * itemsize,
+            "torch_native_kv": native, "nosa_kv": nosa,
+            "nosa_kv_parts": {"budget": budget, "compressed_keys": compressed, "sliding_windows": windows},
+            "bound": round((weights + native) / (weights + nosa), 3)}
+
+
+def onoff(args) -> int:
+    """Offloading on against off at ``--context``: both nosa servers up, measured in turn, a
+    different one first each round; the JSON's ratios are medians over the rounds."""
+    with open(os.path.join(args.model, "config.json")) as f:
+        hf = json.load(f)
+    context = args.context
+    cfg = nosa_config(context, args.share)
+    ids = prompt(context, args.new_tokens, hf["vocab_size"], hf["bos_token_id"])
+    work = tempfile.mkdtemp(prefix="bench_gemma_")
+    flags = ["--attention-backend", "nosa", "--page-size", str(BLOCK), "--context-length", str(context), *SERVER_FLAGS]
+    setups = {"nosa_off": ([*flags, "--max-total-tokens", str(context + 256)], {"NOSA_CONFIG": cfg.to_json()}),
+              "nosa_offload": (flags, offloaded_env(context, cfg, os.path.join(work, "stats.json")))}
+    servers = {}
+    report = {"model": args.model, "context": context, "new_tokens": args.new_tokens, "dtype": "float32",
+              "rounds": args.onoff, "nosa_config": cfg.to_dict(),
+              "decode_bytes": decode_bytes(args.model, hf, context, cfg), "results": []}
+    try:
+        for name, (server_flags, env) in setups.items():
+            servers[name] = start_server(args.model, server_flags, os.path.join(work, f"{name}.log"), env=env,
+                                         threads=args.threads)
+            servers[name].pause()
+        names = list(servers)
+        for round_ in range(args.onoff):
+            for name in names[round_ % 2:] + names[: round_ % 2]:
+                servers[name].resume()
+                try:
+                    row = {"server": name, "round": round_, **measure(servers[name], [ids], args.new_tokens)}
+                finally:
+                    servers[name].pause()
+                report["results"].append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        stop_all(servers.values())
+    by_round = {}
+    for r in report["results"]:
+        by_round.setdefault(r["round"], {})[r["server"]] = r
+    report["by_round"] = [{"round": k,
+                           "decode_speed_on_over_off": round(v["nosa_off"]["ms_per_decode_step"]
+                                                             / v["nosa_offload"]["ms_per_decode_step"], 3),
+                           "prefill_on_over_off": round(v["nosa_offload"]["prefill_s"] / v["nosa_off"]["prefill_s"], 3)}
+                          for k, v in sorted(by_round.items())]
+    for key in ("decode_speed_on_over_off", "prefill_on_over_off"):
+        report[key] = statistics.median(r[key] for r in report["by_round"])
+    print(json.dumps({k: report[k] for k in ("by_round", "decode_speed_on_over_off", "prefill_on_over_off")}),
+          flush=True)
+    out = args.out or "results/gemma3_onoff.json"
     write_result(out, report)
     print(f"wrote {out}")
     return 0

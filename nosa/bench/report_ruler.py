@@ -1,7 +1,7 @@
-"""The docs' tables of NVIDIA's RULER on SmolLM2 (results/ruler.json, scripts/bench_longctx.py
---suite ruler), of the fine-tunes scored on it (results/ruler_ft.json) and of their training runs
-(results/train_smollm2.json, scripts/wandb_report.py --summary): registered like
-``report_tables``' renderers."""
+"""The docs' tables of NVIDIA's RULER (scripts/bench_longctx.py --suite ruler) on SmolLM2
+(results/ruler.json) and on Gemma 3 270M (results/ruler_gemma3.json), of the fine-tunes scored on
+it (results/ruler_ft.json) and of their training runs (results/train_smollm2.json,
+scripts/wandb_report.py --summary): registered like ``report_tables``' renderers."""
 
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ def _score(s: dict) -> str:
 
 
 @renders(RULER)
-def ruler_summary(root: Path) -> str:
+def ruler_summary(root: Path, path: str = RULER) -> str:
     """Per length and variant: RULER's score averaged over the tasks, the paired difference to
     dense, and the selection's recall figures."""
-    data = load(root, RULER)
+    data = load(root, path)
     names, get = _get(data)
     vs_dense = {(p["variant"], p["length"]): p for p in data["paired"] if p["vs"] == "dense"}
     rows = []
@@ -73,9 +73,9 @@ def ruler_tasks(root: Path, path: str = RULER) -> str:
 
 
 @renders(RULER)
-def ruler_differ(root: Path) -> str:
+def ruler_differ(root: Path, path: str = RULER) -> str:
     """The examples where a sparse variant and dense score differently."""
-    data = load(root, RULER)
+    data = load(root, path)
     rows = []
     for p in data["paired"]:
         if p["vs"] != "dense":
@@ -84,6 +84,25 @@ def ruler_differ(root: Path) -> str:
             rows.append([p["length"], p["variant"], f"{d['task']} #{d['index']}",
                          f"{100 * d['dense']:.0f}", f"{100 * d[p['variant']]:.0f}"])
     return table(["context", "variant", "example", "dense", "variant's score"], rows)
+
+
+RULER_GEMMA = "results/ruler_gemma3.json"
+
+
+@renders(RULER_GEMMA)
+def ruler_gemma3_summary(root: Path) -> str:
+    """ruler_summary of Gemma 3 270M (docs/real-models.md)."""
+    return ruler_summary(root, RULER_GEMMA)
+
+
+@renders(RULER_GEMMA)
+def ruler_gemma3_tasks(root: Path) -> str:
+    return ruler_tasks(root, RULER_GEMMA)
+
+
+@renders(RULER_GEMMA)
+def ruler_gemma3_differ(root: Path) -> str:
+    return ruler_differ(root, RULER_GEMMA)
 
 
 RULER_FT = "results/ruler_ft.json"
