@@ -58,7 +58,8 @@ def share_text(s: dict) -> str:
 # ---- the headline (README and the results page) -------------------------------------------------
 @renders("results/accuracy.json", "results/longctx.json", "results/ruler.json", "results/ruler_ft.json",
          "results/serve_ask_smollm2.json", "results/offload.json", "results/serve_smollm2_8k_rank_short.json",
-         "results/serve.json", "results/gemma3_serve_32k.json", "results/gpu_h200.json", "results/ruler_host_kv.json",
+         "results/serve.json", "results/gemma3_serve_32k.json", "results/gemma3_onoff.json",
+         "results/ruler_gemma3.json", "results/gpu_h200.json", "results/ruler_host_kv.json",
          "results/serve_host_kv.json")
 def headline(root: Path) -> str:
     acc = {(r["variant"], r["length"]): r for r in load(root, "results/accuracy.json")["results"]}
@@ -84,6 +85,7 @@ def headline(root: Path) -> str:
     onoff = paired_speed(load(root, "results/serve_smollm2_8k_rank_short.json"), "offload_sched_over_nosa")
     serve = load(root, "results/serve.json")["decode_speedup_nosa_over_torch_native"]
     gemma = load(root, "results/gemma3_serve_32k.json")
+    gemma_onoff = load(root, "results/gemma3_onoff.json")
     rows = [
         ["tiny model (quickstart), 512 tokens, 1/4 of the blocks: held-out answers right, dense / A = 0 / NOSA",
          " / ".join(pct(r["acc"]["mean"]) for r in tiny), "`results/accuracy.json`"],
@@ -119,15 +121,28 @@ def headline(root: Path) -> str:
         [f"Gemma 3 270M (Q4_K_M dequantized, hybrid) served at {gemma['context'] // 1024}K, A = 0 at "
          f"1/{round(gemma['context'] / (gemma['nosa_config']['topk_blocks'] * gemma['nosa_config']['block_size']))} "
          "of the full layers' blocks: device KV MB per request torch_native / nosa with offloading; requests in "
-         "torch_native's bytes for one; decode speed over torch_native",
+         "torch_native's bytes for one; decode speed over torch_native; decode speed with offloading on over off "
+         f"(median of {gemma_onoff['rounds']} paired rounds)",
          f"{gemma['torch_native']['device_kv_bytes_per_request'] / 1e6:.0f} / "
          f"{gemma['nosa_offload']['device_kv_bytes_per_request'] / 1e6:.1f}; "
-         f"{gemma['capacity']['nosa_offload_requests']}; {times(gemma['decode_speed_nosa_over_native'])}",
-         "`results/gemma3_serve_32k.json`"],
+         f"{gemma['capacity']['nosa_offload_requests']}; {times(gemma['decode_speed_nosa_over_native'])}; "
+         f"{gemma_onoff['decode_speed_on_over_off']:.2f}",
+         "`results/gemma3_serve_32k.json`, `results/gemma3_onoff.json`"],
+        gemma_ruler_row(load(root, "results/ruler_gemma3.json")),
         gpu_row(load(root, "results/gpu_h200.json")),
         host_kv_row(load(root, "results/ruler_host_kv.json"), load(root, "results/serve_host_kv.json")),
     ]
     return table(["what", "measured", "data"], rows)
+
+
+def gemma_ruler_row(data: dict) -> list[str]:
+    """The headline's RULER row of Gemma 3: dense / A = 0 / fitted heads at 1/4, per length."""
+    scored = {(r["variant"], r["length"]): r["task_mean"] for r in data["results"]}
+    scores = "; ".join(f"{n}: " + " / ".join(f"{100 * scored[(v, n)]:.1f}" for v in
+                                             ("dense", "A = 0, 1/4", "fitted, 1/4")) for n in data["lengths"])
+    return [f"Gemma 3 270M ({data['model_source']['quantization']} dequantized) on NVIDIA's RULER "
+            f"({len(data['tasks'])} tasks, score 0-100): dense / A = 0 / fitted heads, at 1/4 of the full layers' "
+            "blocks", scores, "`results/ruler_gemma3.json`"]
 
 
 def host_kv_row(data: dict, served: dict) -> list[str]:
