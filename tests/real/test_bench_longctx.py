@@ -56,8 +56,8 @@ def test_a0_selection_does_not_depend_on_the_picks_share():
     assert torch.equal(sets[0], sets[1]) and torch.equal(sets[0], sets[2])
 
 
-def _report(length, ppl_length=None, variants=("dense", "A = 0, 1/4"), seed=0):
-    return {"model": "m", "prefill": "dense", "tasks": ["qa"], "shares": [4], "picks": ["15/64"], "seed": seed,
+def _report(length, ppl_length=None, variants=("dense", "A = 0, 1/4"), seed=0, shares=(4,)):
+    return {"model": "m", "prefill": "dense", "tasks": ["qa"], "shares": list(shares), "picks": ["15/64"], "seed": seed,
             "lengths": [length], "examples_per_task": {str(length): 2}, "context_prefill_seconds": {str(length): 1.0},
             "results": [{"variant": v, "length": length} for v in variants],
             "examples": [{"length": length, "index": i} for i in range(2)], "seconds": length / 1000,
@@ -81,6 +81,10 @@ def test_merge_joins_lengths_and_keeps_the_longest_perplexity():
                                                                        ("dense", 4096)]
     with pytest.raises(SystemExit, match="variants that the first has not"):
         merge([_report(2048, variants=("dense",)), _report(4096)])
+    # and fewer budgets (1/4 alone at the longest length), not another
+    assert merge([_report(2048, shares=(4, 8)), _report(4096)])["shares"] == [4, 8]
+    with pytest.raises(SystemExit, match="'shares'"):
+        merge([_report(2048), _report(4096, shares=(4, 8))])
 
 
 def _run(variants, rights, nll=None, digests=("a", "b")):

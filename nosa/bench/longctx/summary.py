@@ -123,19 +123,24 @@ def summarise(args, suite, counts, variants, records, perplexity, seconds, env, 
 
 
 def merge(reports: list[dict]) -> dict:
-    """One report from reports run with the same model, tasks, budgets, prefill and seed: either of
-    disjoint lengths with the same variants (e.g. one process per length), or of the same lengths
+    """One report from reports run with the same model, tasks, prefill and seed, and the first
+    report's budgets or fewer: either of disjoint lengths with the same variants or fewer (e.g. one
+    process per length, the longest with 1/4 alone), or of the same lengths
     and examples with other variants (e.g. a checkpoint run later with ``--no-a0``, added to a
     report that has A = 0; dense is in both and must agree). Perplexity: by lengths, from the report
     of the longest length that measured it; by variants, every variant's, against the first
     report's dense. "seconds" is the longest part and "seconds_parts" lists each part's."""
-    same = ("suite", "model", "prefill", "tasks", "shares", "picks", "seed")
+    same = ("suite", "model", "prefill", "tasks", "picks", "seed")
     first = reports[0]
     for r in reports[1:]:
         for key in same:
             if r.get(key) != first.get(key):
                 raise SystemExit(f"bench_longctx --merge: the reports differ in {key!r}: "
                                  f"{first.get(key)!r} vs {r.get(key)!r}")
+        # a later report may run fewer budgets (e.g. only 1/4 at the longest length), not others
+        if not set(r.get("shares") or ()) <= set(first.get("shares") or ()):
+            raise SystemExit(f"bench_longctx --merge: the reports differ in 'shares': {first.get('shares')!r} vs "
+                             f"{r.get('shares')!r} (a later report may leave budgets out, not add one)")
     def new_variants(r: dict) -> bool:  # the same lengths, other variants than the first report's
         return r["lengths"] == first["lengths"] and set(_variants(r)) - {"dense"} != set(_variants(first)) - {"dense"}
 
