@@ -62,6 +62,9 @@ from nosa.config import NosaConfig
 BLOCK = 64
 SERVER_FLAGS = ["--disable-radix-cache", "--chunked-prefill-size", "4096"]  # every server here, beside its context
 MARGIN = 8  # tokens of the context the request leaves free
+# SGLang's admission reserves a page beyond a request's tokens: a pool of exactly the context never
+# admits the request (its scheduler retries forever, no error), so a pool sized here gets a margin
+POOL_MARGIN = 256
 
 
 def nosa_config(context: int, share: float) -> NosaConfig:
@@ -77,6 +80,13 @@ def offloaded_env(context: int, cfg: NosaConfig, stats: str) -> dict:
     ``context`` tokens and a margin, device slots for one request's budget."""
     return {**offload_env(context + 4096, cfg.topk_blocks * BLOCK, stats), "NOSA_CONFIG": cfg.to_json(),
             "NOSA_RECALL_SCHEDULER": "1"}
+
+
+def nosa_off(context: int, cfg: NosaConfig) -> tuple[list[str], dict]:
+    """Flags and environment of nosa with offloading off: every layer's KV in SGLang's pool, sized
+    for ``context`` tokens and the margin (beside --context-length and SERVER_FLAGS)."""
+    flags = ["--attention-backend", "nosa", "--max-total-tokens", str(context + POOL_MARGIN), "--page-size", str(BLOCK)]
+    return flags, {"NOSA_CONFIG": cfg.to_json()}
 
 
 def prompt(context: int, new_tokens: int, vocab: int, bos: int) -> list[int]:
@@ -129,9 +139,7 @@ def main(argv=None) -> int:
     cfg = nosa_config(context, args.share)
     ids = prompt(context, args.new_tokens, hf["vocab_size"], hf["bos_token_id"])
     limit = str(context)  # the prompt and its new tokens fill it but MARGIN (Gemma 3: at most 32768)
-    # SGLang's admission reserves a page beyond a request's tokens: a pool of exactly the context
-    # never admits the request (its scheduler retries forever, no error), so the pool gets a margin
-    pool = str(context + 256)
+    pool = str(context + POOL_MARGIN)
     report = {"model": args.model, "context": context, "new_tokens": args.new_tokens, "dtype": "float32",
               "layers": layers, "full_layers": full, "sliding_window": window, "nosa_config": cfg.to_dict()}
     work = tempfile.mkdtemp(prefix="bench_gemma_")
@@ -162,8 +170,8 @@ def main(argv=None) -> int:
     print(json.dumps({"torch_native": native}), flush=True)
 
     # ---- nosa, offloading off: the same pool as torch_native, NOSA's selection on the full layers ----
-    report["nosa_off"], _ = served("nosa_off", ["--attention-backend", "nosa", "--max-total-tokens", pool,
-                                               "--page-size", str(BLOCK)], env={"NOSA_CONFIG": cfg.to_json()})
+    off_flags, off_env = nosa_off(context, cfg)
+    report["nosa_off"], _ = served("nosa_off", off_flags, env=off_env)
     report["nosa_off"]["device_kv_bytes_per_request"] = per_token * context
     print(json.dumps({"nosa_off": report["nosa_off"]}), flush=True)
 
@@ -290,17 +298,18 @@ def onoff(args) -> int:
     cfg = nosa_config(context, args.share)
     ids = prompt(context, args.new_tokens, hf["vocab_size"], hf["bos_token_id"])
     work = tempfile.mkdtemp(prefix="bench_gemma_")
-    flags = ["--attention-backend", "nosa", "--page-size", str(BLOCK), "--context-length", str(context), *SERVER_FLAGS]
-    setups = {"nosa_off": ([*flags, "--max-total-tokens", str(context + 256)], {"NOSA_CONFIG": cfg.to_json()}),
-              "nosa_offload": (flags, offloaded_env(context, cfg, os.path.join(work, "stats.json")))}
+    off_flags, off_env = nosa_off(context, cfg)
+    setups = {"nosa_off": (off_flags, off_env),
+              "nosa_offload": (["--attention-backend", "nosa", "--page-size", str(BLOCK)],
+                               offloaded_env(context, cfg, os.path.join(work, "stats.json")))}
     servers = {}
     report = {"model": args.model, "context": context, "new_tokens": args.new_tokens, "dtype": "float32",
               "rounds": args.onoff, "nosa_config": cfg.to_dict(),
               "decode_bytes": decode_bytes(args.model, hf, context, cfg), "results": []}
     try:
         for name, (server_flags, env) in setups.items():
-            servers[name] = start_server(args.model, server_flags, os.path.join(work, f"{name}.log"), env=env,
-                                         threads=args.threads)
+            servers[name] = start_server(args.model, [*server_flags, "--context-length", str(context), *SERVER_FLAGS],
+                                         os.path.join(work, f"{name}.log"), env=env, threads=args.threads)
             servers[name].pause()
         names = list(servers)
         for round_ in range(args.onoff):
