@@ -28,8 +28,9 @@ def _counts(data: dict) -> str:
     """The model (its weights), tasks and examples per task of a report, for the line under its table."""
     counts = ", ".join(f"{k} at {n}" for n, k in data["examples_per_task"].items())
     source = data["model_source"]
+    seeds = data["seed"] if isinstance(data["seed"], list) else [data["seed"]]  # several: pooled (--merge)
     return (f"{source['name']}, its {source['quantization']} weights dequantized; {len(data['tasks'])} tasks; "
-            f"examples per task: {counts} (seed {data['seed']})")
+            f"examples per task: {counts} ({'seeds' if len(seeds) > 1 else 'seed'} {', '.join(map(str, seeds))})")
 
 
 def _score(s: dict) -> str:
@@ -206,3 +207,25 @@ def ruler_host_kv(root: Path) -> str:
     return (table(header, rows) + f"\n\n{_counts(data)}. Dense attention on the same examples: {dense}. "
             "The context prefill is dense and exact (`--prefill dense`); every decode step attends over the "
             "whole context's K and V as the host pool gives them back.")
+
+
+KV_FORMATS = "results/kv_formats.json"
+
+
+@renders(KV_FORMATS)
+def kv_formats(root: Path) -> str:
+    """scripts/bench_kv_formats.py: per host KV format, K and V apart, how far it moves the model's
+    next-token distribution on held-out prose."""
+    data = load(root, KV_FORMATS)
+    rows = []
+    for r in data["formats"]:
+        size = f"{r['bytes_per_token_vs_bf16']:.2f}x" if "bytes_per_token_vs_bf16" in r else "-"
+        label = {"served": "", "apart": " (the other exact)", "what-if": " (what-if, not served)"}[r["kind"]]
+        rows.append([r["format"] + label, f"{r['kl']:.5f}",
+                     pct(r["greedy_agreement"]), f"{r['ppl_ratio']:.4f}", size])
+    header = ["K and V as the host pool returns them", "KL(exact ‖ format), mean per position",
+              "greedy token unchanged", "perplexity / exact", "host bytes per token / bf16"]
+    return (table(header, rows) + f"\n\n`{data['model']}`, {data['windows']} held-out prose windows of "
+            f"{data['length']} tokens, scored on the last half of each ({data['scored_positions']} positions; "
+            f"exact perplexity {data['exact_ppl']:.2f}). Every token's K and V go through the format, the current "
+            "block's too (a server keeps that one exact): an upper bound on a served request's.")

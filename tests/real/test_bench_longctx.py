@@ -126,6 +126,40 @@ def test_merge_joins_variants_on_the_same_examples():
         merge([old, _run(["dense", "x, 1/4"], {"dense": (1, 1), "x, 1/4": (1, 1)}, nll={"dense": 2.5})])
 
 
+def _seeded(seed, rights, entering):
+    """A report of 2 qa examples at 2048 with dense and A = 0 at 1/4, run with ``seed``: ``rights[v]`` are
+    variant v's verdicts, ``entering`` A = 0's blocks entering per example (one transition each)."""
+    cfg = suite_config.budget_config(2048, 4).to_dict()
+    report = _run(["dense", "A = 0, 1/4"], rights, digests=(f"{seed}a", f"{seed}b"))
+    for ex, n in zip(report["examples"], entering):
+        ex["select"]["A = 0, 1/4"] = {"entering": n, "transitions": 1, "selected": 16, "mass": 0.5, "layers": 1,
+                                      "entering_max": n}
+    report["results"] = [{"variant": "dense", "length": 2048, "share": None, "seconds": 1.0},
+                         {"variant": "A = 0, 1/4", "length": 2048, "share": 4, "nosa_config": cfg, "seconds": 2.0}]
+    return dict(report, seed=seed)
+
+
+def test_merge_pools_the_examples_of_other_seeds():
+    """Reports of the same lengths and variants run with other --seed values: their examples pooled, the
+    scores, hit rates and paired comparisons computed again over all of them."""
+    pooled = merge([_seeded(42, {"dense": (1, 1), "A = 0, 1/4": (1, 0)}, (2, 4)),
+                    _seeded(43, {"dense": (1, 0), "A = 0, 1/4": (1, 1)}, (0, 2))])
+    assert pooled["seed"] == [42, 43] and pooled["examples_per_task"] == {"2048": 4}
+    assert [(ex["seed"], ex["index"]) for ex in pooled["examples"]] == [(42, 0), (42, 1), (43, 2), (43, 3)]
+    rows = {r["variant"]: r for r in pooled["results"]}
+    assert rows["dense"]["all"]["right"] == 3 and rows["A = 0, 1/4"]["all"]["right"] == 3
+    assert rows["A = 0, 1/4"]["tasks"]["qa"]["n"] == 4 and rows["dense"]["seconds"] == 2.0
+    assert rows["A = 0, 1/4"]["entering_mean"] == pytest.approx(2.0)  # (2 + 4 + 0 + 2) / 4 transitions
+    assert rows["A = 0, 1/4"]["hit_rate"] == pytest.approx(1 - 8 / 64)
+    assert rows["A = 0, 1/4"]["budget_blocks"] == 16 and rows["A = 0, 1/4"]["context_blocks"] == 64
+    vs = next(p for p in pooled["paired"] if p["variant"] == "A = 0, 1/4" and p["vs"] == "dense")
+    assert (vs["n"], vs["better"], vs["worse"]) == (4, 1, 1)
+    assert sorted((d["index"], d["dense"]) for d in vs["differ"]) == [(1, 1), (3, 0)]
+    with pytest.raises(SystemExit, match="same variants"):
+        merge([_seeded(42, {"dense": (1, 1), "A = 0, 1/4": (1, 0)}, (2, 4)),
+               drop_variants(_seeded(43, {"dense": (1, 0), "A = 0, 1/4": (1, 1)}, (0, 2)), ["A = 0"])])
+
+
 def test_no_a0_needs_a_checkpoint_and_drop_needs_merge(run_script, capsys):
     with pytest.raises(SystemExit):
         run_script("bench_longctx.py", "--no-a0")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 
 from nosa import models
+from nosa.config import NosaConfig
 from nosa.bench.results import write_result
 
 
@@ -64,6 +66,32 @@ def compare(report: dict) -> list[dict]:
     return out
 
 
+def result_row(name: str, length: int, budget_share: int | None, nosa_config: dict | None, tasks, records: list[dict],
+               seconds: float) -> dict:
+    """One variant's result at one length from its examples (``records`` of that length): the score per
+    task and over all, and for a sparse variant (``nosa_config`` given) its budget and what its
+    selection recalled (blocks entering per step, the hit rate of a cache of the budget, the dense
+    attention mass inside the selection)."""
+    done = [r for r in records if name in r["right"]]
+    by_task = {t: share(sum(r["right"][name] for r in done if r["task"] == t),
+                        sum(1 for r in done if r["task"] == t)) for t in tasks}
+    row = {"variant": name, "length": length, "share": budget_share, "tasks": by_task,
+           "all": share(sum(r["right"][name] for r in done), len(done)),
+           "task_mean": sum(t["acc"] for t in by_task.values()) / len(by_task), "seconds": round(seconds, 1)}
+    if nosa_config is not None:
+        cfg = NosaConfig.from_dict(nosa_config)
+        sel = [r["select"][name] for r in done if name in r["select"]]
+        total = {k: sum(s[k] for s in sel) for k in ("entering", "transitions", "selected", "mass", "layers")}
+        row.update(
+            nosa_config=nosa_config, budget_blocks=cfg.topk_blocks, context_blocks=cfg.num_blocks(length),
+            entering_mean=total["entering"] / max(1, total["transitions"]),
+            entering_max=max((s["entering_max"] for s in sel), default=0),
+            hit_rate=1 - total["entering"] / max(1, total["selected"]),
+            mass=total["mass"] / max(1, total["layers"]),
+        )
+    return row
+
+
 def summarise(args, suite, counts, variants, records, perplexity, seconds, env, seconds_total) -> dict:
     """The report written to --out: configuration, one result per (variant, length), the paired
     comparisons, perplexity and every example's replies."""
@@ -71,25 +99,9 @@ def summarise(args, suite, counts, variants, records, perplexity, seconds, env, 
     for length in counts:
         at = [r for r in records if r["length"] == length]
         for v in variants:
-            done = [r for r in at if v.name in r["right"]]
-            tasks = {t: share(sum(r["right"][v.name] for r in done if r["task"] == t),
-                              sum(1 for r in done if r["task"] == t)) for t in suite.tasks}
-            row = {"variant": v.name, "length": length, "share": v.share,
-                   "tasks": tasks, "all": share(sum(r["right"][v.name] for r in done), len(done)),
-                   "task_mean": sum(t["acc"] for t in tasks.values()) / len(tasks),
-                   "seconds": round(seconds.get((v.name, length), 0.0), 1)}
-            if v.share is not None:
-                cfg = v.config(length)
-                sel = [r["select"][v.name] for r in done if v.name in r["select"]]
-                total = {k: sum(s[k] for s in sel) for k in ("entering", "transitions", "selected", "mass", "layers")}
-                row.update(
-                    nosa_config=cfg.to_dict(), budget_blocks=cfg.topk_blocks, context_blocks=cfg.num_blocks(length),
-                    entering_mean=total["entering"] / max(1, total["transitions"]),
-                    entering_max=max((s["entering_max"] for s in sel), default=0),
-                    hit_rate=1 - total["entering"] / max(1, total["selected"]),
-                    mass=total["mass"] / max(1, total["layers"]),
-                )
-            results.append(row)
+            cfg = v.config(length) if v.share is not None else None
+            results.append(result_row(v.name, length, v.share, cfg and cfg.to_dict(), suite.tasks, at,
+                                      seconds.get((v.name, length), 0.0)))
     dense_nll = next((p["nll"] for p in perplexity if p["variant"] == "dense"), None)
     for p in perplexity:
         p["ppl"] = math.exp(p["nll"])
@@ -123,15 +135,21 @@ def summarise(args, suite, counts, variants, records, perplexity, seconds, env, 
 
 
 def merge(reports: list[dict]) -> dict:
-    """One report from reports run with the same model, tasks, prefill and seed, and the first
-    report's budgets or fewer: either of disjoint lengths with the same variants or fewer (e.g. one
+    """One report from reports run with the same model, tasks and prefill, and the first report's
+    budgets or fewer: either of disjoint lengths with the same variants or fewer (e.g. one
     process per length, the longest with 1/4 alone), or of the same lengths
     and examples with other variants (e.g. a checkpoint run later with ``--no-a0``, added to a
-    report that has A = 0; dense is in both and must agree). Perplexity: by lengths, from the report
-    of the longest length that measured it; by variants, every variant's, against the first
-    report's dense. "seconds" is the longest part and "seconds_parts" lists each part's."""
-    same = ("suite", "model", "prefill", "tasks", "picks", "seed")
+    report that has A = 0; dense is in both and must agree), or of the same lengths and variants on
+    other examples (each report another ``--seed``: their examples pooled, see ``_pool_examples``).
+    Perplexity: by lengths, from the report of the longest length that measured it; by variants,
+    every variant's, against the first report's dense. "seconds" is the longest part and
+    "seconds_parts" lists each part's."""
     first = reports[0]
+    seeds = [r.get("seed") for r in reports]
+    # every report another seed, the same lengths: more examples of the same variants, pooled
+    pool = (len(reports) > 1 and len(set(map(str, seeds))) == len(seeds)
+            and all(r["lengths"] == first["lengths"] for r in reports))
+    same = ("suite", "model", "prefill", "tasks", "picks") + (("shares",) if pool else ("seed",))
     for r in reports[1:]:
         for key in same:
             if r.get(key) != first.get(key):
@@ -145,7 +163,10 @@ def merge(reports: list[dict]) -> dict:
         return r["lengths"] == first["lengths"] and set(_variants(r)) - {"dense"} != set(_variants(first)) - {"dense"}
 
     by_variants = len(reports) > 1 and all(new_variants(r) for r in reports[1:])
-    out = _join_variants(reports) if by_variants else _join_lengths(reports)
+    if pool:
+        out = _pool_examples(reports)
+    else:
+        out = _join_variants(reports) if by_variants else _join_lengths(reports)
     out.update(seconds=max(r["seconds"] for r in reports), seconds_parts=[r["seconds"] for r in reports])
     # where each part came from (the merged report's own provenance is the --merge command's)
     out["parts"] = [p for r in reports for p in (r.get("parts") or [r.get("provenance")]) if p]
@@ -233,6 +254,43 @@ def _join_variants(reports: list[dict]) -> dict:
     order = {n: i for i, n in enumerate(first["lengths"])}
     out = dict(first)
     out.update(results=sorted(results, key=lambda row: order[row["length"]]), examples=examples, perplexity=perplexity)
+    return out
+
+
+def _pool_examples(reports: list[dict]) -> dict:
+    """Reports of the same lengths and variants, each on the examples of another ``--seed``: one
+    report over all their examples (more examples per task than one run could afford), its results
+    and paired comparisons computed again from the examples. Each example keeps its seed; its index
+    counts on from the earlier reports' examples of its task. Perplexity (held-out windows, the same
+    for every seed): the first report's."""
+    first = reports[0]
+    names = _variants(first)
+    for r in reports[1:]:
+        if _variants(r) != names:
+            raise SystemExit(f"bench_longctx --merge: reports of other seeds must run the same variants: {names} vs "
+                             f"{_variants(r)}")
+    examples, offset = [], Counter()
+    for r in reports:
+        counts = Counter()
+        for ex in r["examples"]:
+            key = (ex["length"], ex["task"])
+            examples.append(dict(ex, seed=ex.get("seed", r["seed"]), index=offset[key] + ex["index"]))
+            counts[key] = max(counts[key], ex["index"] + 1)
+        offset.update(counts)
+    seconds = {(row["variant"], row["length"]): sum(x["seconds"] for r in reports for x in r["results"]
+                                                    if (x["variant"], x["length"]) == (row["variant"], row["length"]))
+               for row in first["results"]}
+    results = [result_row(row["variant"], row["length"], row["share"], row.get("nosa_config"), first["tasks"],
+                          [ex for ex in examples if ex["length"] == row["length"]],
+                          seconds[(row["variant"], row["length"])]) for row in first["results"]]
+    out = dict(first)
+    out.update(
+        seed=[r["seed"] for r in reports],
+        examples_per_task={k: sum(r["examples_per_task"][k] for r in reports) for k in first["examples_per_task"]},
+        context_prefill_seconds={k: round(sum(r["context_prefill_seconds"].get(k, 0.0) for r in reports), 1)
+                                 for k in first["context_prefill_seconds"]},
+        results=results, examples=examples,
+    )
     return out
 
 
