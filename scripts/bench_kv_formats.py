@@ -23,7 +23,8 @@ def main(argv=None) -> int:
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), metavar="FORMAT",
                         help=f"formats to measure (default all): {'; '.join(FORMATS)}")
     parser.add_argument("--quick", action="store_true", help="1 window of 1024 tokens")
-    parser.add_argument("--out", default="results/kv_formats.json", help="JSON output (default results/kv_formats.json)")
+    parser.add_argument("--out", default="results/kv_formats.json",
+                        help="JSON output (default results/kv_formats.json)")
     args = parser.parse_args(argv)
     if args.quick:
         args.length, args.windows = 1024, 1
@@ -33,8 +34,8 @@ def main(argv=None) -> int:
     write_result(args.out, result)
     print(f"{'format':58s} {'KL':>9s} {'greedy same':>11s} {'ppl / exact':>11s}")
     for r in result["formats"]:
-        print(f"{r['format'] + ('' if r['kind'] == 'served' else f" ({r['kind']})"):58s} {r['kl']:9.5f} "
-              f"{100 * r['greedy_agreement']:10.2f}% {r['ppl_ratio']:11.4f}")
+        label = r["format"] + ("" if r["kind"] == "served" else f" ({r['kind']})")
+        print(f"{label:58s} {r['kl']:9.5f} {100 * r['greedy_agreement']:10.2f}% {r['ppl_ratio']:11.4f}")
     print(f"wrote {args.out}")
     return 0
 

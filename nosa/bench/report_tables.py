@@ -60,7 +60,7 @@ def share_text(s: dict) -> str:
          "results/serve_ask_smollm2.json", "results/offload.json", "results/serve_smollm2_8k_rank_short.json",
          "results/serve.json", "results/gemma3_serve_32k.json", "results/gemma3_onoff.json",
          "results/ruler_gemma3.json", "results/gpu_h200.json", "results/ruler_host_kv.json",
-         "results/serve_host_kv.json")
+         "results/serve_host_kv.json", "results/kv_formats.json")
 def headline(root: Path) -> str:
     acc = {(r["variant"], r["length"]): r for r in load(root, "results/accuracy.json")["results"]}
     tiny = [acc[(v, 512)] for v in ("dense", "training_free", "nosa_finetuned")]
@@ -130,7 +130,8 @@ def headline(root: Path) -> str:
          "`results/gemma3_serve_32k.json`, `results/gemma3_onoff.json`"],
         gemma_ruler_row(load(root, "results/ruler_gemma3.json")),
         gpu_row(load(root, "results/gpu_h200.json")),
-        host_kv_row(load(root, "results/ruler_host_kv.json"), load(root, "results/serve_host_kv.json")),
+        host_kv_row(load(root, "results/ruler_host_kv.json"), load(root, "results/serve_host_kv.json"),
+                    load(root, "results/kv_formats.json")),
     ]
     return table(["what", "measured", "data"], rows)
 
@@ -145,20 +146,24 @@ def gemma_ruler_row(data: dict) -> list[str]:
             "blocks", scores, "`results/ruler_gemma3.json`"]
 
 
-def host_kv_row(data: dict, served: dict) -> list[str]:
-    """The headline's quantized host KV row: RULER with the pool in the model's dtype, int8, fp8, and
-    the served decode speed with offloading on over off per dtype."""
+def host_kv_row(data: dict, served: dict, formats: dict) -> list[str]:
+    """The headline's quantized host KV row: RULER with the pool in the model's dtype, int8, fp8; how
+    far int8 and fp8 move the next-token distribution (scripts/bench_kv_formats.py); the served decode
+    speed with offloading on over off per dtype."""
     n = data["lengths"][0]
     score = {r["variant"]: r["task_mean"] for r in data["results"] if r["length"] == n}
     names = [v for v in score if v.startswith("A = 0")]
+    kl = {r["format"]: r["kl"] for r in formats["formats"]}
     ratio = kvquant.bytes_per_token(64, 64, torch.int8) / kvquant.bytes_per_token(64, 64, torch.bfloat16)
     onoff = [paired_speed(served, f"offload_sched{k}_over_nosa")["median"] for k in ("", "_int8", "_fp8")]
     context = served["results"][0]["context"] // 1024
     return [f"SmolLM2 on RULER at {n // 1024}K, A = 0 at 1/4, the host KV pool in the model's dtype / int8 / fp8 "
-            "(NOSA_HOST_KV_DTYPE): score; host bytes per token against a bf16 pool's; decode speed with offloading "
+            "(NOSA_HOST_KV_DTYPE): score; KL to the exact next-token distribution on held-out prose, int8 / fp8; "
+            "host bytes per token against a bf16 pool's; decode speed with offloading "
             f"on over off, same dtypes (tiny model served at {context}K, median of paired rounds)",
-            " / ".join(f"{100 * score[v]:.1f}" for v in names) + f"; {ratio:.2f}x; "
-            + " / ".join(f"{x:.2f}" for x in onoff), "`results/ruler_host_kv.json`, `results/serve_host_kv.json`"]
+            " / ".join(f"{100 * score[v]:.1f}" for v in names) + f"; {kl['int8']:.4f} / {kl['float8_e4m3fn']:.4f}; "
+            f"{ratio:.2f}x; " + " / ".join(f"{x:.2f}" for x in onoff),
+            "`results/ruler_host_kv.json`, `results/kv_formats.json`, `results/serve_host_kv.json`"]
 
 
 def gpu_row(gpu: dict) -> list[str]:

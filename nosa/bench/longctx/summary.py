@@ -8,8 +8,8 @@ import os
 from collections import Counter
 
 from nosa import models
-from nosa.config import NosaConfig
 from nosa.bench.results import write_result
+from nosa.config import NosaConfig
 
 
 def wilson(right: int, n: int, z: float = 1.96) -> tuple[float, float]:
