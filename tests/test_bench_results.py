@@ -113,7 +113,7 @@ def test_commit_and_dirty_flag_of_a_checkout(tmp_path):
 
 def test_the_suite_timer_reads_pytest_junit(tmp_path):
     """scripts/time_suite.py's reading of a JUnit report: a test's name, seconds and outcome."""
-    from nosa.bench.suite_time import junit_tests
+    from nosa.bench.suite_time import by_file, junit_tests
 
     xml = tmp_path / "junit.xml"
     xml.write_text(
@@ -127,6 +127,8 @@ def test_the_suite_timer_reads_pytest_junit(tmp_path):
         {"test": "tests/test_y.py::test_b", "seconds": 0.25, "outcome": "skipped"},
         {"test": "tests/test_y.py::test_c", "seconds": 1.0, "outcome": "failed"},
     ]
+    assert by_file(junit_tests(str(xml))) == [{"file": "tests/serve/test_x.py", "seconds": 12.5, "tests": 1},
+                                              {"file": "tests/test_y.py", "seconds": 1.2, "tests": 2}]
 
 
 def test_the_docs_line_says_what_changed_while_a_run_ran(tmp_path):

@@ -384,4 +384,9 @@ def suite(root: Path) -> str:
             "The slowest tests (setup, call and teardown together; a module's servers start in its first "
             "test's setup):")
     rows = [[f"`{t['test']}`", f"{t['seconds']:.0f} s"] for t in data["slowest"]]
-    return head + "\n\n" + table(["test", "time"], rows)
+    out = head + "\n\n" + table(["test", "time"], rows)
+    if data.get("files"):  # written since the timer kept per-file totals
+        files = [[f"`{f['file']}`", str(f["tests"]), f"{f['seconds']:.0f} s"] for f in data["files"][:12]]
+        out += ("\n\nThe files that take longest, all their tests together:\n\n"
+                + table(["file", "tests", "time"], files))
+    return out

@@ -29,6 +29,17 @@ def junit_tests(path: str) -> list[dict]:
     return tests
 
 
+def by_file(tests: list[dict]) -> list[dict]:
+    """[{"file", "seconds", "tests"}] per test file, the longest first: where the suite's time goes
+    (module-scoped servers and fixtures count in the file's first test)."""
+    files: dict[str, dict] = {}
+    for t in tests:
+        f = files.setdefault(t["test"].split("::")[0], {"file": t["test"].split("::")[0], "seconds": 0.0, "tests": 0})
+        f["seconds"] += t["seconds"]
+        f["tests"] += 1
+    return sorted(({**f, "seconds": round(f["seconds"], 1)} for f in files.values()), key=lambda f: -f["seconds"])
+
+
 def run(args) -> dict:
     """Run the suite once (``args.pytest_args`` appended), write ``args.out``; returns the result."""
     with tempfile.TemporaryDirectory(prefix="nosa-suite-") as work:
@@ -43,7 +54,8 @@ def run(args) -> dict:
     slowest = sorted(tests, key=lambda t: -t["seconds"])[: args.slowest]
     result = {"suite_command": " ".join(command[:2] + list(args.pytest_args)), "exit_code": done.returncode,
               "wall_seconds": round(wall, 1), "workers": 2, "tests": counts,
-              "test_seconds_total": round(sum(t["seconds"] for t in tests), 1), "slowest": slowest}
+              "test_seconds_total": round(sum(t["seconds"] for t in tests), 1), "slowest": slowest,
+              "files": by_file(tests)}
     write_result(args.out, result)
     print(f"suite: {counts} in {wall:.0f} s (exit {done.returncode}); wrote {args.out}")
     return result
