@@ -44,7 +44,7 @@ def test_an_exact_format_moves_nothing_and_a_broken_one_shows(tiny_model, monkey
     monkeypatch.setitem(kv_formats.FORMATS, "V zeroed", (kv_formats.exact, torch.zeros_like, "what-if"))
     out = kv_formats.measure(tiny_model, 96, 2, ["exact", "V zeroed", "int8"], progress=False)
     got = {r["format"]: r for r in out["formats"]}
-    assert out["scored_positions"] == 96 and out["exact_ppl"] > 1
+    assert out["scored_positions"] == 96 and out["exact_ppl"] > 1 and (out["layers_quantized"], out["layers"]) == (2, 2)
     assert got["exact"]["kl"] == pytest.approx(0, abs=1e-7) and got["exact"]["greedy_agreement"] == 1.0
     assert got["exact"]["ppl_ratio"] == pytest.approx(1.0, abs=1e-6)
     assert got["V zeroed"]["kl"] > 100 * max(got["int8"]["kl"], 1e-6)  # the format reached every layer's attention
@@ -55,3 +55,21 @@ def test_an_exact_format_moves_nothing_and_a_broken_one_shows(tiny_model, monkey
         kv_formats.measure(tiny_model, 96, 1, ["int4"], progress=False)
     with pytest.raises(SystemExit, match="fewer than"):
         kv_formats.measure(tiny_model, 10 ** 9, 1, ["int8"], progress=False)
+
+
+def test_a_window_layer_keeps_its_kv_exact(tmp_path, monkeypatch):
+    """Gemma 3's sliding-window layers never offload (their window stays on the device): the formats
+    leave them exact, so a model of window layers only is not moved even by a zeroed V."""
+    from nosa.tiny import hybrid_layout
+
+    layout = hybrid_layout("gemma3_text", 2, head_dim=16, window=16)
+    model = build_causal_lm("gemma3_text", seed=0, attn_implementation="sdpa", vocab_size=300, hidden_size=64,
+                            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=512, pad_token_id=257, eos_token_id=257, bos_token_id=256,
+                            **dict(layout, layer_types=["sliding_attention"] * 2))
+    model.save_pretrained(tmp_path)
+    make_tokenizer(str(tmp_path))
+    monkeypatch.setitem(kv_formats.FORMATS, "V zeroed", (kv_formats.exact, torch.zeros_like, "what-if"))
+    out = kv_formats.measure(str(tmp_path), 96, 1, ["V zeroed"], progress=False)
+    assert (out["layers_quantized"], out["layers"]) == (0, 2)
+    assert out["formats"][0]["kl"] == pytest.approx(0, abs=1e-7)

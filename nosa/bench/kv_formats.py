@@ -11,7 +11,9 @@ shipped formats store one scale per token and KV head (nosa.kvquant, the spec), 
 a per-block layout would buy.
 
 Every token's K and V go through the format, the current block's too, which a server keeps on the
-device in the model's dtype: an upper bound on what the host pool does to a served request.
+device in the model's dtype: an upper bound on what the host pool does to a served request. Only
+the layers whose KV a server offloads: a hybrid model's sliding-window layers (Gemma 3) keep their
+window on the device, exact, and are left so here.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _attention(state: dict):
 
     def forward(module, query, key, value, attention_mask, **kwargs):
         name = state.get("format")
-        if name is not None:
+        if name is not None and not getattr(module, "sliding_window", None):  # a window layer never offloads
             k_rt, v_rt, _ = FORMATS[name]
             key, value = k_rt(key), v_rt(value)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -143,5 +145,7 @@ def measure(model_path: str, length: int, windows: int, formats: list[str], prog
                                               / kvquant.bytes_per_token(head_dim, head_dim, dtype))
         out.append(row)
     state["format"] = None
+    layers = [m for m in model.modules() if hasattr(m, "k_proj")]
+    offloaded = sum(1 for m in layers if not getattr(m, "sliding_window", None))
     return {"model": model_path, "length": length, "windows": windows, "scored_positions": windows * tail,
-            "exact_ppl": math.exp(ref_nll), "formats": out}
+            "exact_ppl": math.exp(ref_nll), "layers_quantized": offloaded, "layers": len(layers), "formats": out}

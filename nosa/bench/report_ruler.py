@@ -225,7 +225,9 @@ def kv_formats(root: Path) -> str:
                      pct(r["greedy_agreement"]), f"{r['ppl_ratio']:.4f}", size])
     header = ["K and V as the host pool returns them", "KL(exact ‖ format), mean per position",
               "greedy token unchanged", "perplexity / exact", "host bytes per token / bf16"]
-    return (table(header, rows) + f"\n\n`{data['model']}`, {data['windows']} held-out prose windows of "
+    layers = (f" K and V of {data['layers_quantized']} of its {data['layers']} layers (those a server offloads)"
+              if "layers" in data else "")
+    return (table(header, rows) + f"\n\n`{data['model']}`,{layers}; {data['windows']} held-out prose windows of "
             f"{data['length']} tokens, scored on the last half of each ({data['scored_positions']} positions; "
             f"exact perplexity {data['exact_ppl']:.2f}). Every token's K and V go through the format, the current "
             "block's too (a server keeps that one exact): an upper bound on a served request's.")
