@@ -73,3 +73,11 @@ def test_a_window_layer_keeps_its_kv_exact(tmp_path, monkeypatch):
     out = kv_formats.measure(str(tmp_path), 96, 1, ["V zeroed"], progress=False)
     assert (out["layers_quantized"], out["layers"]) == (0, 2)
     assert out["formats"][0]["kl"] == pytest.approx(0, abs=1e-7)
+    # the exact model is the SDPA model, its 16-token windows included (the window is shorter than the rows)
+    from transformers import AutoTokenizer
+
+    (row,) = kv_formats.prose_windows(AutoTokenizer.from_pretrained(tmp_path), 96, 1)
+    with torch.no_grad():
+        logits = model.eval()(row).logits[0, -49:-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, row[0, -48:])
+    assert out["exact_ppl"] == pytest.approx(float(nll.exp()), rel=1e-5)

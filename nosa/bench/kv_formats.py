@@ -108,12 +108,14 @@ def measure(model_path: str, length: int, windows: int, formats: list[str], prog
     half of each window; with the bytes per token a host pool of that format stores (shipped formats)."""
     from tqdm import tqdm  # optional: tqdm (the train extra)
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer  # optional: transformers
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # optional: transformers
 
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise SystemExit(f"bench_kv_formats: unknown formats {unknown}; known: {list(FORMATS)}")
     state: dict = {}
     AttentionInterface.register(ATTENTION, _attention(state))
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # SDPA's masks: sliding windows included
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=ATTENTION).eval()
     rows = prose_windows(tokenizer, length, windows)

@@ -210,13 +210,14 @@ def ruler_host_kv(root: Path) -> str:
 
 
 KV_FORMATS = "results/kv_formats.json"
+KV_FORMATS_GEMMA = "results/kv_formats_gemma3.json"
 
 
 @renders(KV_FORMATS)
-def kv_formats(root: Path) -> str:
+def kv_formats(root: Path, path: str = KV_FORMATS) -> str:
     """scripts/bench_kv_formats.py: per host KV format, K and V apart, how far it moves the model's
     next-token distribution on held-out prose."""
-    data = load(root, KV_FORMATS)
+    data = load(root, path)
     rows = []
     for r in data["formats"]:
         size = f"{r['bytes_per_token_vs_bf16']:.2f}x" if "bytes_per_token_vs_bf16" in r else "-"
@@ -231,3 +232,9 @@ def kv_formats(root: Path) -> str:
             f"{data['length']} tokens, scored on the last half of each ({data['scored_positions']} positions; "
             f"exact perplexity {data['exact_ppl']:.2f}). Every token's K and V go through the format, the current "
             "block's too (a server keeps that one exact): an upper bound on a served request's.")
+
+
+@renders(KV_FORMATS_GEMMA)
+def kv_formats_gemma3(root: Path) -> str:
+    """kv_formats of Gemma 3 270M (its full-attention layers)."""
+    return kv_formats(root, KV_FORMATS_GEMMA)
