@@ -116,6 +116,18 @@ def write_jsonl(path: str, docs: list[Document]) -> str:
     return path
 
 
+def token_windows(tokenizer, docs: list[Document], length: int, count: int) -> list[list[int]]:
+    """``count`` consecutive windows of ``length`` token ids of ``docs`` joined by blank lines, each
+    starting with the tokenizer's BOS where it has one (Gemma needs it); ValueError when the documents
+    hold fewer tokens than that."""
+    stream = tokenizer("\n\n".join(d.text for d in docs), add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    step = length - len(bos)
+    if count * step > len(stream):
+        raise ValueError(f"the held-out prose has {len(stream)} tokens, fewer than {count} windows of {length}")
+    return [bos + stream[w * step:(w + 1) * step] for w in range(count)]
+
+
 def sentences(text: str) -> list[str]:
     """Sentences of a prose text: split after ., ! or ? followed by space and a capital, a quote or a
     parenthesis. Good enough to place inserted sentences between two sentences of real prose."""

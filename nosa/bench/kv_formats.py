@@ -75,13 +75,19 @@ FORMATS: dict[str, tuple[Callable, Callable, str]] = {
 ATTENTION = "nosa_kv_format"  # the attention implementation registered while measuring
 
 
+def offloaded(module) -> bool:
+    """Whether a server offloads this attention layer's KV: not a sliding-window layer's (its window
+    stays on the device)."""
+    return not getattr(module, "sliding_window", None)
+
+
 def _attention(state: dict):
     """An HF attention function: SDPA over K and V round-tripped as ``state["format"]`` says."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward  # optional: transformers
 
     def forward(module, query, key, value, attention_mask, **kwargs):
         name = state.get("format")
-        if name is not None and not getattr(module, "sliding_window", None):  # a window layer never offloads
+        if name is not None and offloaded(module):
             k_rt, v_rt, _ = FORMATS[name]
             key, value = k_rt(key), v_rt(value)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -89,18 +95,15 @@ def _attention(state: dict):
 
 
 def prose_windows(tokenizer, length: int, windows: int) -> list[torch.Tensor]:
-    """``windows`` consecutive windows of ``length`` tokens of nosa.train.prose's held-out documents,
-    each starting with the tokenizer's BOS where it has one (Gemma needs it)."""
+    """``windows`` consecutive windows of ``length`` tokens of nosa.train.prose's held-out documents
+    (prose.token_windows: each starts with the tokenizer's BOS where it has one)."""
     from nosa.train import prose  # optional: the train extra's prose (CPython's own sources)
 
     _, heldout = prose.split(prose.documents())
-    stream = tokenizer("\n\n".join(d.text for d in heldout), add_special_tokens=False)["input_ids"]
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    step = length - len(bos)
-    if windows * step > len(stream):
-        raise SystemExit(f"bench_kv_formats: the held-out prose has {len(stream)} tokens, fewer than {windows} "
-                         f"windows of {length}")
-    return [torch.tensor([bos + stream[w * step:(w + 1) * step]]) for w in range(windows)]
+    try:
+        return [torch.tensor([ids]) for ids in prose.token_windows(tokenizer, heldout, length, windows)]
+    except ValueError as e:
+        raise SystemExit(f"bench_kv_formats: {e}") from None
 
 
 def measure(model_path: str, length: int, windows: int, formats: list[str], progress: bool = True) -> dict:
@@ -148,6 +151,6 @@ def measure(model_path: str, length: int, windows: int, formats: list[str], prog
         out.append(row)
     state["format"] = None
     layers = [m for m in model.modules() if hasattr(m, "k_proj")]
-    offloaded = sum(1 for m in layers if not getattr(m, "sliding_window", None))
     return {"model": model_path, "length": length, "windows": windows, "scored_positions": windows * tail,
-            "exact_ppl": math.exp(ref_nll), "layers_quantized": offloaded, "layers": len(layers), "formats": out}
+            "exact_ppl": math.exp(ref_nll), "layers_quantized": sum(map(offloaded, layers)), "layers": len(layers),
+            "formats": out}

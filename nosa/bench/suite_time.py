@@ -34,7 +34,8 @@ def by_file(tests: list[dict]) -> list[dict]:
     (module-scoped servers and fixtures count in the file's first test)."""
     files: dict[str, dict] = {}
     for t in tests:
-        f = files.setdefault(t["test"].split("::")[0], {"file": t["test"].split("::")[0], "seconds": 0.0, "tests": 0})
+        name = t["test"].split("::")[0]
+        f = files.setdefault(name, {"file": name, "seconds": 0.0, "tests": 0})
         f["seconds"] += t["seconds"]
         f["tests"] += 1
     return sorted(({**f, "seconds": round(f["seconds"], 1)} for f in files.values()), key=lambda f: -f["seconds"])

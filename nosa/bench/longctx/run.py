@@ -158,15 +158,13 @@ def measure_perplexity(args, variants, tokenizer, heldout, cache, bases) -> list
         return []
     length = max(args.lengths)
     tail = min(PPL_TAIL, length // 2)
-    stream = tokenizer("\n\n".join(d.text for d in heldout), add_special_tokens=False)["input_ids"]
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    step = length - len(bos)
-    if args.ppl_windows * step > len(stream):
-        raise SystemExit(f"bench_longctx: the held-out prose has {len(stream)} tokens, fewer than "
-                         f"{args.ppl_windows} windows of {length}")
+    try:
+        windows = prose.token_windows(tokenizer, heldout, length, args.ppl_windows)
+    except ValueError as e:
+        raise SystemExit(f"bench_longctx: {e}") from None
     nll = {v.name: [] for v in variants}
-    for w in tqdm(range(args.ppl_windows), desc=f"perplexity at {length}", unit="window", dynamic_ncols=True):
-        window = torch.tensor(bos + stream[w * step : (w + 1) * step])
+    for ids in tqdm(windows, desc=f"perplexity at {length}", unit="window", dynamic_ncols=True):
+        window = torch.tensor(ids)
         key = f"ppl{tail}:" + hashlib.sha256(str(window.tolist()).encode()).hexdigest()
         kvs = {}
         for variant in variants:

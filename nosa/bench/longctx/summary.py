@@ -277,9 +277,10 @@ def _pool_examples(reports: list[dict]) -> dict:
             examples.append(dict(ex, seed=ex.get("seed", r["seed"]), index=offset[key] + ex["index"]))
             counts[key] = max(counts[key], ex["index"] + 1)
         offset.update(counts)
-    seconds = {(row["variant"], row["length"]): sum(x["seconds"] for r in reports for x in r["results"]
-                                                    if (x["variant"], x["length"]) == (row["variant"], row["length"]))
-               for row in first["results"]}
+    seconds = Counter()
+    for r in reports:
+        for x in r["results"]:
+            seconds[(x["variant"], x["length"])] += x["seconds"]
     results = [result_row(row["variant"], row["length"], row["share"], row.get("nosa_config"), first["tasks"],
                           [ex for ex in examples if ex["length"] == row["length"]],
                           seconds[(row["variant"], row["length"])]) for row in first["results"]]
