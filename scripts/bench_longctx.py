@@ -65,9 +65,10 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")  # before transformers is imported (it reads them then)
 
 from nosa.bench.longctx.config import PICKS, budget_config, picks_share  # noqa: E402
+from nosa.bench.longctx.merge import drop_variants, merge  # noqa: E402
 from nosa.bench.longctx.run import run  # noqa: E402
 from nosa.bench.longctx.suites import SEEDS, SUITES, task_names  # noqa: E402
-from nosa.bench.longctx.summary import drop_variants, merge, write_report  # noqa: E402
+from nosa.bench.longctx.summary import write_report  # noqa: E402
 
 EXAMPLES = {"nosa": [12, 10, 4], "ruler": [3, 2, 1]}  # per task at 2K, 4K, 8K (docs/benchmarks.md: the times)
 

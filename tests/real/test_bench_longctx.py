@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from nosa.bench.longctx import config as suite_config
-from nosa.bench.longctx.summary import drop_variants, merge, targets, wilson
+from nosa.bench.longctx.merge import drop_variants, merge
 from nosa.bench.longctx.summary import share as right_share
+from nosa.bench.longctx.summary import targets, wilson
 
 
 def test_budget_config_scales_the_released_structure():
