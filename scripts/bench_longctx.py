@@ -116,7 +116,9 @@ def main(argv=None) -> int:
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="run nothing: join reports into --out, its tables and --plot: reports of other "
                              "lengths (e.g. one process per length on a machine with cores to spare), or of the "
-                             "same lengths and examples with other variants (e.g. a checkpoint run with --no-a0)")
+                             "same lengths (or some of them) and examples with other variants (e.g. a checkpoint "
+                             "run with --no-a0, or other --picks), or of the same lengths and variants with another "
+                             "--seed each (their examples pooled)")
     parser.add_argument("--drop", nargs="+", metavar="TEXT",
                         help="with --merge: leave out the variants whose name contains TEXT (e.g. an earlier "
                              "checkpoint's, when a new one is added)")

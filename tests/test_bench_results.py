@@ -142,3 +142,15 @@ def test_the_docs_line_says_what_changed_while_a_run_ran(tmp_path):
     committed, edited = (provenance_line(tmp_path, name) for name in cases)
     assert "Written at commit `bbbbbbb`, committed while it ran." in committed
     assert "committed" not in edited and "Tracked files were edited while it ran." in edited
+
+
+def test_the_suite_timer_measures_how_busy_the_cores_were():
+    """cpu_busy: the busy share of the machine's CPU time between two /proc/stat reads."""
+    from nosa.bench.suite_time import busy_share, cpu_times
+
+    assert busy_share((100.0, 400.0), (190.0, 500.0)) == 0.9  # 90 of 100 new jiffies busy
+    assert busy_share(None, (1.0, 2.0)) is None and busy_share((5.0, 10.0), (5.0, 10.0)) is None
+    now = cpu_times()
+    if now is not None:  # Linux
+        busy, total = now
+        assert 0 < busy < total

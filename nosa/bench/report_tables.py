@@ -380,8 +380,9 @@ def suite(root: Path) -> str:
     counts = data["tests"]
     head = (f"`{data['suite_command']}`: {counts['passed']} passed, {counts['skipped']} skipped, "
             f"{counts['failed']} failed in {data['wall_seconds'] / 60:.1f} min of wall time on "
-            f"{data['workers']} workers ({data['test_seconds_total'] / 60:.1f} min of tests' own time). "
-            "The slowest tests (setup, call and teardown together; a module's servers start in its first "
+            f"{data['workers']} workers ({data['test_seconds_total'] / 60:.1f} min of tests' own time)"
+            + (f"; the cores were busy {data['cpu_busy']:.0%} of the time" if data.get("cpu_busy") is not None else "")
+            + ". The slowest tests (setup, call and teardown together; a module's servers start in its first "
             "test's setup):")
     rows = [[f"`{t['test']}`", f"{t['seconds']:.0f} s"] for t in data["slowest"]]
     out = head + "\n\n" + table(["test", "time"], rows)

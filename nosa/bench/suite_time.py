@@ -41,20 +41,40 @@ def by_file(tests: list[dict]) -> list[dict]:
     return sorted(({**f, "seconds": round(f["seconds"], 1)} for f in files.values()), key=lambda f: -f["seconds"])
 
 
+def cpu_times() -> tuple[float, float] | None:
+    """(busy, total) CPU jiffies of the whole machine since boot, from /proc/stat (None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_share(before, after) -> float | None:
+    """The share of the machine's CPU time that was busy between two ``cpu_times()``: near 1, the
+    suite is bound by the cores and more workers cannot shorten it; well below 1, it waits."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round((after[0] - before[0]) / (after[1] - before[1]), 3)
+
+
 def run(args) -> dict:
     """Run the suite once (``args.pytest_args`` appended), write ``args.out``; returns the result."""
     with tempfile.TemporaryDirectory(prefix="nosa-suite-") as work:
         junit = os.path.join(work, "junit.xml")
         command = ["bash", "scripts/test.sh", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                    *args.pytest_args]
-        start = time.perf_counter()
+        start, cpu_before = time.perf_counter(), cpu_times()
         done = subprocess.run(command, cwd=REPO)
-        wall = time.perf_counter() - start
+        wall, busy = time.perf_counter() - start, busy_share(cpu_before, cpu_times())
         tests = junit_tests(junit) if os.path.exists(junit) else []
     counts = {kind: sum(t["outcome"] == kind for t in tests) for kind in ("passed", "skipped", "failed")}
     slowest = sorted(tests, key=lambda t: -t["seconds"])[: args.slowest]
     result = {"suite_command": " ".join(command[:2] + list(args.pytest_args)), "exit_code": done.returncode,
-              "wall_seconds": round(wall, 1), "workers": 2, "tests": counts,
+              "wall_seconds": round(wall, 1), "workers": 2,
+              "cpu_busy": busy, "cores": os.cpu_count(), "tests": counts,
               "test_seconds_total": round(sum(t["seconds"] for t in tests), 1), "slowest": slowest,
               "files": by_file(tests)}
     write_result(args.out, result)

@@ -127,6 +127,36 @@ def test_merge_joins_variants_on_the_same_examples():
         merge([old, _run(["dense", "x, 1/4"], {"dense": (1, 1), "x, 1/4": (1, 1)}, nll={"dense": 2.5})])
 
 
+
+def test_merge_adds_other_picks_at_one_of_the_lengths():
+    """A run at 8K alone with ``--picks 15/64`` (its variants named so) joins a report of 2K and 8K:
+    its variant at 8K, paired there with dense and A = 0, nothing at 2K; the picks listed."""
+    def at(length, variants, rights, picks, digests=("a", "b")):
+        r = _run(variants, rights, digests=digests)
+        for ex in r["examples"]:
+            ex["length"] = length
+        r["results"] = [{"variant": v, "length": length, "share": None if v == "dense" else 4} for v in variants]
+        return dict(r, lengths=[length], picks=[picks], examples_per_task={str(length): 2})
+
+    both = merge([at(2048, ["dense", "A = 0, 1/4"], {"dense": (1, 0), "A = 0, 1/4": (1, 0)}, "1/16", ("c", "d")),
+                  at(8192, ["dense", "A = 0, 1/4"], {"dense": (1, 1), "A = 0, 1/4": (0, 1)}, "1/16")])
+    later = at(8192, ["dense", "fitted, 1/4, picks 15/64"], {"dense": (1, 1), "fitted, 1/4, picks 15/64": (1, 1)},
+               "15/64")
+    merged = merge([both, later])
+    assert merged["picks"] == ["1/16", "15/64"] and merged["lengths"] == [2048, 8192]
+    assert [(r["variant"], r["length"]) for r in merged["results"]] == [
+        ("dense", 2048), ("A = 0, 1/4", 2048), ("dense", 8192), ("A = 0, 1/4", 8192),
+        ("fitted, 1/4, picks 15/64", 8192)]
+    assert [set(ex["right"]) for ex in merged["examples"]] == [{"dense", "A = 0, 1/4"}] * 2 + [
+        {"dense", "A = 0, 1/4", "fitted, 1/4, picks 15/64"}] * 2
+    vs = {(p["variant"], p["vs"]): p for p in merged["paired"] if p["length"] == 8192}
+    assert vs[("fitted, 1/4, picks 15/64", "A = 0, 1/4")]["points"] == pytest.approx(50.0)
+    assert vs[("fitted, 1/4, picks 15/64", "dense")]["points"] == 0.0
+    with pytest.raises(SystemExit, match="other examples"):  # 8K's examples must be the first report's
+        merge([both, at(8192, ["dense", "x, 1/4"], {"dense": (1, 1), "x, 1/4": (1, 1)}, "15/64", ("a", "z"))])
+    with pytest.raises(SystemExit, match="'picks'"):  # joined by lengths, the picks must agree
+        merge([at(2048, ["dense"], {"dense": (1, 0)}, "1/16"), at(8192, ["dense"], {"dense": (1, 1)}, "15/64")])
+
 def _seeded(seed, rights, entering):
     """A report of 2 qa examples at 2048 with dense and A = 0 at 1/4, run with ``seed``: ``rights[v]`` are
     variant v's verdicts, ``entering`` A = 0's blocks entering per example (one transition each)."""

@@ -13,6 +13,8 @@ import torch
 
 import nosa
 from nosa import models
+from nosa.bench.longctx import nvidia_ruler
+from nosa.chat import chat_text
 from nosa.tiny import set_eviction_heads
 
 pytestmark = pytest.mark.real
@@ -115,3 +117,25 @@ def test_served_with_offloading_equals_the_hf_nosa_model(gemma_once, prompt, tmp
     with open(tmp_path / "stats.json") as f:
         stats = json.load(f)
     assert stats["requests"] == 0 and stats["device_slots_in_use"] == 0 and sum(stats["offload"]["misses"]) > 0
+
+
+def test_a_base_model_gets_rulers_base_template(gemma_checkpoint, gemma_once, tmp_path):
+    """NVIDIA's RULER on a base model: Gemma 3 270M has no chat template, so its RULER prompt is stock
+    RULER's ``base`` template, one <bos> then the generator's text with the answer prefix right after
+    the question, as RULER writes it. (Here rather than in test_nvidia_ruler.py: this module's group
+    has Gemma loaded already.)"""
+    _, tokenizer = gemma_once
+    assert not tokenizer.chat_template
+    assert chat_text(tokenizer, "Hi") == "<bos>Hi\n"
+    suite = nvidia_ruler.RulerSuite(("niah_single_1",), data_dir=str(tmp_path))
+    (ex,) = suite.examples(tokenizer, gemma_checkpoint, 1024, 1, nvidia_ruler.SEED)
+    assert ex.prompt_ids.count(tokenizer.bos_token_id) == 1 and ex.prompt_ids[0] == tokenizer.bos_token_id
+    assert len(ex.prompt_ids) + ex.max_new_tokens <= 1024
+    (row,) = nvidia_ruler.generate(suite.configs["niah_single_1"], gemma_checkpoint, 0, 1, 0,
+                                   str(next(tmp_path.glob("*/*"))))  # read back, the limit is not used
+    stock = row["input"].replace(nvidia_ruler._MARK, "")  # RULER's base template: task text + answer prefix
+    assert tokenizer.decode(ex.prompt_ids) == "<bos>" + stock
+    assert stock.endswith("mentioned in the provided text? The special magic number for "
+                          f"{stock.split('number for ')[-1].split(' mentioned')[0]} mentioned in the provided text is")
+    question = tokenizer.decode(ex.prompt_ids[ex.context_end:])
+    assert question.startswith("\nWhat is the special magic number") and ex.references[0] not in question

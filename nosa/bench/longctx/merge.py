@@ -11,11 +11,14 @@ from nosa.bench.longctx.summary import compare, result_row
 
 def merge(reports: list[dict]) -> dict:
     """One report from reports run with the same model, tasks and prefill, and the first report's
-    budgets or fewer: either of disjoint lengths with the same variants or fewer (e.g. one
-    process per length, the longest with 1/4 alone), or of the same lengths
-    and examples with other variants (e.g. a checkpoint run later with ``--no-a0``, added to a
-    report that has A = 0; dense is in both and must agree), or of the same lengths and variants on
-    other examples (each report another ``--seed``: their examples pooled, see ``_pool_examples``).
+    budgets or fewer:
+    - of disjoint lengths with the same variants or fewer (e.g. one process per length, the longest
+      with 1/4 alone);
+    - of the first report's lengths, or some of them, and the same examples there, with other
+      variants (e.g. a checkpoint run later with ``--no-a0``, added to a report that has A = 0, or
+      another ``--picks``, which the variants' names carry); dense is in both and must agree;
+    - of the same lengths and variants on other examples (each report another ``--seed``: their
+      examples pooled, see ``_pool_examples``).
     Perplexity: by lengths, from the report of the longest length that measured it; by variants,
     every variant's, against the first report's dense. "seconds" is the longest part and
     "seconds_parts" lists each part's."""
@@ -24,7 +27,15 @@ def merge(reports: list[dict]) -> dict:
     # every report another seed, the same lengths: more examples of the same variants, pooled
     pool = (len(reports) > 1 and len(set(map(str, seeds))) == len(seeds)
             and all(r["lengths"] == first["lengths"] for r in reports))
-    same = ("suite", "model", "prefill", "tasks", "picks") + (("shares",) if pool else ("seed",))
+
+    def new_variants(r: dict) -> bool:  # some of the first report's lengths, other variants than its
+        return (set(r["lengths"]) <= set(first["lengths"])
+                and set(_variants(r)) - {"dense"} != set(_variants(first)) - {"dense"})
+
+    by_variants = not pool and len(reports) > 1 and all(new_variants(r) for r in reports[1:])
+    # joined by variants, other picks are other variants ("fitted, 1/4, picks 15/64"), named apart
+    same = ("suite", "model", "prefill", "tasks") + (("shares", "picks") if pool else ("seed",) if by_variants
+                                                     else ("seed", "picks"))
     for r in reports[1:]:
         for key in same:
             if r.get(key) != first.get(key):
@@ -34,10 +45,6 @@ def merge(reports: list[dict]) -> dict:
         if not set(r.get("shares") or ()) <= set(first.get("shares") or ()):
             raise SystemExit(f"bench_longctx --merge: the reports differ in 'shares': {first.get('shares')!r} vs "
                              f"{r.get('shares')!r} (a later report may leave budgets out, not add one)")
-    def new_variants(r: dict) -> bool:  # the same lengths, other variants than the first report's
-        return r["lengths"] == first["lengths"] and set(_variants(r)) - {"dense"} != set(_variants(first)) - {"dense"}
-
-    by_variants = len(reports) > 1 and all(new_variants(r) for r in reports[1:])
     if pool:
         out = _pool_examples(reports)
     else:
@@ -97,6 +104,10 @@ def _join_lengths(reports: list[dict]) -> dict:
     return out
 
 
+def _variant_names(results: list[dict], length: int) -> set[str]:
+    return {row["variant"] for row in results if row["length"] == length}
+
+
 def _join_variants(reports: list[dict]) -> dict:
     first = reports[0]
     examples = [dict(ex, reply=dict(ex["reply"]), right=dict(ex["right"]), select=dict(ex["select"]))
@@ -104,31 +115,34 @@ def _join_variants(reports: list[dict]) -> dict:
     results, perplexity = list(first["results"]), list(first["perplexity"])
     dense_ppl = {p["variant"]: p for p in perplexity}.get("dense")
     for r in reports[1:]:
+        mine_here = [ex for ex in examples if ex["length"] in r["lengths"]]  # the later report's lengths
         if [(e["length"], e["task"], e["digest"]) for e in r["examples"]] != \
-                [(e["length"], e["task"], e["digest"]) for e in examples]:
+                [(e["length"], e["task"], e["digest"]) for e in mine_here]:
             raise SystemExit("bench_longctx --merge: the reports have the same lengths but other examples "
                              "(--examples, --tasks or the prompts differ)")
-        have = {row["variant"] for row in results}
-        for mine, theirs in zip(examples, r["examples"]):
+        have = {n: _variant_names(results, n) for n in r["lengths"]}
+        known = {row["variant"] for row in results}  # at any length: their perplexity is in already
+        for mine, theirs in zip(mine_here, r["examples"]):
             a, b = mine["right"].get("dense"), theirs["right"].get("dense")
             if a is not None and b is not None and a != b:
                 raise SystemExit(f"bench_longctx --merge: dense answers differently in the two reports "
                                  f"({theirs['task']} at {theirs['length']}, example {theirs['index']})")
             for key in ("reply", "right", "select"):
-                mine[key].update({v: x for v, x in theirs[key].items() if v not in have})
-        results += [row for row in r["results"] if row["variant"] not in have]
+                mine[key].update({v: x for v, x in theirs[key].items() if v not in have[mine["length"]]})
+        results += [row for row in r["results"] if row["variant"] not in have[row["length"]]]
         for p in r["perplexity"]:
             if p["variant"] == "dense" and dense_ppl is not None and \
                     (p["length"], p.get("windows"), p["nll"]) != (dense_ppl["length"], dense_ppl.get("windows"),
                                                                    dense_ppl["nll"]):
                 raise SystemExit("bench_longctx --merge: the reports measured perplexity on other windows")
-            if p["variant"] not in have and p["variant"] != "dense":
+            if p["variant"] not in known and p["variant"] != "dense":
                 if dense_ppl is None:
                     raise SystemExit("bench_longctx --merge: the first report has no dense perplexity")
                 perplexity.append(dict(p, ratio_to_dense=math.exp(p["nll"] - dense_ppl["nll"])))
     order = {n: i for i, n in enumerate(first["lengths"])}
     out = dict(first)
-    out.update(results=sorted(results, key=lambda row: order[row["length"]]), examples=examples, perplexity=perplexity)
+    out.update(results=sorted(results, key=lambda row: order[row["length"]]), examples=examples, perplexity=perplexity,
+               picks=list(dict.fromkeys(p for r in reports for p in r["picks"])))
     return out
 
 
