@@ -57,7 +57,7 @@ def ruler_summary(root: Path, path: str = RULER) -> str:
               "blocks entering per step", "hit rate, cache = budget"]
     minutes = ", ".join(f"{s / 60:.1f} min" for s in data.get("seconds_parts") or [data["seconds"]])
     return (table(header, rows) + f"\n\n{_counts(data)}. Scores 0-100 per example, RULER's metrics. "
-            f"Wall time: {minutes} (one run per length, shortest first).")
+            f"Wall time: {minutes} (one per run; their commands are in the JSON's `parts`).")
 
 
 @renders(RULER)

@@ -143,6 +143,7 @@ def test_merge_adds_other_picks_at_one_of_the_lengths():
     later = at(8192, ["dense", "fitted, 1/4, picks 15/64"], {"dense": (1, 1), "fitted, 1/4, picks 15/64": (1, 1)},
                "15/64")
     merged = merge([both, later])
+    assert merged["seconds_parts"] == [5.0, 5.0, 5.0]  # the earlier join's two parts, then the new one
     assert merged["picks"] == ["1/16", "15/64"] and merged["lengths"] == [2048, 8192]
     assert [(r["variant"], r["length"]) for r in merged["results"]] == [
         ("dense", 2048), ("A = 0, 1/4", 2048), ("dense", 8192), ("A = 0, 1/4", 8192),

@@ -21,7 +21,7 @@ def merge(reports: list[dict]) -> dict:
       examples pooled, see ``_pool_examples``).
     Perplexity: by lengths, from the report of the longest length that measured it; by variants,
     every variant's, against the first report's dense. "seconds" is the longest part and
-    "seconds_parts" lists each part's."""
+    "seconds_parts" lists each part's (a report joined before: its parts')."""
     first = reports[0]
     seeds = [r.get("seed") for r in reports]
     # every report another seed, the same lengths: more examples of the same variants, pooled
@@ -49,7 +49,9 @@ def merge(reports: list[dict]) -> dict:
         out = _pool_examples(reports)
     else:
         out = _join_variants(reports) if by_variants else _join_lengths(reports)
-    out.update(seconds=max(r["seconds"] for r in reports), seconds_parts=[r["seconds"] for r in reports])
+    # a report joined before brings its own parts' seconds
+    out.update(seconds=max(r["seconds"] for r in reports),
+               seconds_parts=[s for r in reports for s in (r.get("seconds_parts") or [r["seconds"]])])
     # where each part came from (the merged report's own provenance is the --merge command's)
     out["parts"] = [p for r in reports for p in (r.get("parts") or [r.get("provenance")]) if p]
     out["paired"] = compare(out)
