@@ -144,7 +144,17 @@ def mark_keep(path: str, label: str) -> None:
         return
     with open(os.path.join(path, "KEEP"), "w") as f:
         f.write(label + "\n")
-    alias = os.path.join(os.path.dirname(os.path.dirname(path)), label)
+    _alias(path, os.path.join(os.path.dirname(os.path.dirname(path)), label))
+
+
+def link(path: str, label: str) -> None:
+    """``label`` beside ``path`` (a model directory of the run, e.g. ``fitted``) as a relative link to it,
+    replaced atomically (rank 0)."""
+    if _rank() == 0:
+        _alias(path, os.path.join(os.path.dirname(path.rstrip("/")), label))
+
+
+def _alias(path: str, alias: str) -> None:
     tmp = alias + ".tmp-link"
     if os.path.lexists(tmp):
         os.remove(tmp)

@@ -163,6 +163,12 @@ class TrainConfig:
     def total_steps(self) -> int:
         return self.dense_steps + self.steps
 
+    @property
+    def fit_only(self) -> bool:
+        """No NOSA fine-tune, only the eviction-head fit (steps: 0, distill.rows > 0): the run converts,
+        fits and writes ``fitted``, with ``nosa`` linked to it."""
+        return self.steps == 0 and self.distill.rows > 0
+
     def stage_at(self, step: int) -> tuple[int, int]:
         """(seq_len, micro_batch) of optimizer step ``step`` (0-based; see ``curriculum``)."""
         end = 0
@@ -188,8 +194,9 @@ class TrainConfig:
         for name in ("dense_steps", "steps", "eval_every", "save_every", "stats_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.total_steps < 1:
-            raise ValueError("dense_steps + steps must be >= 1")
+        if self.total_steps < 1 and not self.fit_only:
+            raise ValueError("dense_steps + steps must be >= 1 (or steps: 0 with distill.rows > 0: fit the "
+                             "eviction heads only)")
         cfg = self.nosa  # checked by NosaConfig when built
         if self.seq_len % cfg.block_size:
             raise ValueError(f"seq_len={self.seq_len} must be a multiple of nosa.block_size={cfg.block_size}")

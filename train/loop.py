@@ -104,14 +104,16 @@ def run(cfg: TrainConfig) -> dict:
     print0(
         f"model {type(model).__name__}: {params / 1e6:.2f}M params; {len(rows)} train rows of "
         f"{cfg.seq_len} tokens; {tokens_per_step} tokens/step; world {world}; device {device}; ZeRO stage {stage}; "
-        + ", ".join(f"{name} steps {start + 1}-{end}" for name, start, end in phases if end > start)
+        + ", ".join([f"{name} steps {start + 1}-{end}" for name, start, end in phases if end > start]
+                    + (["the eviction-head fit only (steps: 0)"] if cfg.fit_only else []))
     )
     logger = Logger(cfg.out_dir, cfg.to_dict(), cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name, cfg.wandb.dir, rank)
 
     # ---- phases ---------------------------------------------------------------------------------
     last: dict = {}
     for name, start, end in phases:
-        if end <= max(start, state["step"]):  # empty, or done before the resume point
+        fit_only = name == "nosa" and cfg.fit_only and not is_nosa(model.config)  # no steps, the fit alone
+        if end <= max(start, state["step"]) and not fit_only:  # empty, or done before the resume point
             continue
         if name == "nosa" and not is_nosa(model.config):
             nosa.convert(model, cfg.nosa)  # A = 0: the converted model starts as training-free selection
@@ -128,6 +130,11 @@ def run(cfg: TrainConfig) -> dict:
                               for k, v in evaluate(model, eval_rows, cfg.eval_examples).items()}
                 print0("converted model: " + ", ".join(f"{k} {v:.4f}" for k, v in start_eval.items()))
                 logger.log(start_eval, step=state["step"])
+        if fit_only:
+            last = fitted
+            checkpoint.link(os.path.join(cfg.out_dir, "fitted"), "nosa")
+            print0(f"linked {os.path.join(cfg.out_dir, 'nosa')} -> fitted (steps: 0, the fit only)")
+            continue
         lr = cfg.optim.lr if name == "nosa" else (cfg.dense_lr or cfg.optim.lr)
         freeze = cfg.freeze_base and name == "nosa"
         groups = param_groups(model, lr, cfg.optim.lr_evict, cfg.optim.weight_decay, freeze)

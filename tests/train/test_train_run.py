@@ -268,3 +268,26 @@ def test_a_checkpoint_without_optimizer_state_serves_but_does_not_resume(first, 
                "steps=3", f"resume={lean}", "wandb.mode=disabled"]
     with pytest.raises(ValueError, match="no optimizer state.*save_optimizer: false.*resume=null"):
         run(load_config(SMOKE, resumed))
+
+
+def test_steps_0_fits_the_eviction_heads_only(tmp_path, smoke_overrides):
+    """steps: 0 with distill.rows: convert, fit the heads, write ``fitted`` and link ``nosa`` to it, no
+    fine-tune step and no DeepSpeed checkpoint; without distill.rows there is nothing to run."""
+    overrides = smoke_overrides(str(tmp_path), dense_steps=0, steps=0) + [
+        "distill.rows=4", "distill.steps=3", "wandb.mode=disabled"]
+    cfg = load_config(SMOKE, overrides)
+    assert cfg.fit_only
+    result = run(cfg)
+    fitted = os.path.join(cfg.out_dir, "fitted")
+    assert os.path.islink(os.path.join(cfg.out_dir, "nosa"))
+    assert os.path.realpath(os.path.join(cfg.out_dir, "nosa")) == os.path.realpath(fitted)
+    assert not os.path.exists(os.path.join(cfg.out_dir, "checkpoints"))
+    assert "distill/loss" in result["metrics"] and "train/loss" not in result["metrics"]
+    loaded = nosa.from_pretrained(os.path.join(cfg.out_dir, "nosa")).eval()
+    scales = [attn.nosa_evict.scale for _, attn in nosa.hf.nosa_attention_modules(loaded)]
+    assert scales and all(torch.all(s == cfg.distill.scale) for s in scales)  # A set by the fit
+    ids = torch.randint(3, 100, (1, 96))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, result["model"].eval()(ids).logits, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="steps: 0 with distill.rows > 0"):
+        load_config(SMOKE, smoke_overrides(str(tmp_path / "none"), dense_steps=0, steps=0))
