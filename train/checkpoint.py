@@ -147,11 +147,13 @@ def mark_keep(path: str, label: str) -> None:
     _alias(path, os.path.join(os.path.dirname(os.path.dirname(path)), label))
 
 
-def link(path: str, label: str) -> None:
+def link(path: str, label: str) -> str:
     """``label`` beside ``path`` (a model directory of the run, e.g. ``fitted``) as a relative link to it,
-    replaced atomically (rank 0)."""
+    replaced atomically (rank 0). Returns the link's path."""
+    alias = os.path.join(os.path.dirname(path.rstrip("/")), label)
     if _rank() == 0:
-        _alias(path, os.path.join(os.path.dirname(path.rstrip("/")), label))
+        _alias(path, alias)
+    return alias
 
 
 def _alias(path: str, alias: str) -> None:

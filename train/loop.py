@@ -132,8 +132,8 @@ def run(cfg: TrainConfig) -> dict:
                 logger.log(start_eval, step=state["step"])
         if fit_only:
             last = fitted
-            checkpoint.link(os.path.join(cfg.out_dir, "fitted"), "nosa")
-            print0(f"linked {os.path.join(cfg.out_dir, 'nosa')} -> fitted (steps: 0, the fit only)")
+            alias = checkpoint.link(path, "nosa")  # the path a server loads: the fitted model
+            print0(f"linked {alias} -> fitted (steps: 0, the fit only)")
             continue
         lr = cfg.optim.lr if name == "nosa" else (cfg.dense_lr or cfg.optim.lr)
         freeze = cfg.freeze_base and name == "nosa"
