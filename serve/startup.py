@@ -1,6 +1,7 @@
-"""Start-up checks in SGLang's launcher: offloading settings that cannot work stop the server before
-any scheduler process starts (in seconds, rather than after the minute a scheduler takes to import
-SGLang and load the model), with the same message the backend gives.
+"""Start-up checks in SGLang's launcher: a checkpoint whose NosaConfig is malformed (its 'nosa'
+section, or $NOSA_CONFIG for a dense checkpoint), and offloading settings that cannot work, stop the
+server before any scheduler process starts (in seconds, rather than after the minute a scheduler
+takes to import SGLang and load the model), with the same message the backend gives.
 
 ``install`` registers a hook on SGLang's server-argument resolution step ``handle_other_validations``
 (it runs in the launcher, after the page size and attention backends are resolved). The backend runs
@@ -30,11 +31,15 @@ def check_hybrid_offload(sliding_layers: int, disable_radix_cache: bool) -> None
             "the sliding layers' windows live on the device per request, so a cached prefix has none")
 
 
-def check(model_dir: str, page_size: int, disable_radix_cache: bool) -> None:
-    """The offloading checks that need only the checkpoint's config.json and the server arguments."""
+def check(model_dir: str, page_size: int, disable_radix_cache: bool, offload: bool = True) -> None:
+    """The checks that need only the checkpoint's config.json and the server arguments: the NosaConfig
+    the backend will serve (nosa.serve.checkpoint.load_nosa_config), then, with ``offload``, the
+    offloading settings."""
     from nosa.serve.checkpoint import load_nosa_config  # optional: torch (the plugin module imports none)
 
     cfg, _ = load_nosa_config(model_dir)
+    if not offload:
+        return
     OffloadSettings.from_env().validate(cfg, page_size)
     with open(os.path.join(model_dir, "config.json")) as f:
         data = json.load(f)
@@ -42,12 +47,10 @@ def check(model_dir: str, page_size: int, disable_radix_cache: bool) -> None:
     check_hybrid_offload(text["num_hidden_layers"] - len(nosa_layers(text)), disable_radix_cache)
 
 
-def offload_checks(server_args, previous) -> None:
+def startup_checks(server_args, previous) -> None:
     """Resolution-hook wrapper (``fn(server_args, previous)``): SGLang's step, then ``check`` where
-    nosa serves with offloading from a local checkpoint."""
+    nosa serves a local checkpoint (the offloading checks where offloading is on)."""
     previous(server_args)
-    if not offload_enabled():
-        return
     from sglang.srt.arg_groups.overrides import (  # optional: sglang (the plugin module is imported without it)
         attention_backends_of,
         resolved_view,
@@ -58,7 +61,7 @@ def offload_checks(server_args, previous) -> None:
         return
     cfg = resolving_view(server_args)
     if os.path.isfile(os.path.join(str(cfg.model_path), "config.json")):
-        check(str(cfg.model_path), cfg.page_size, bool(cfg.disable_radix_cache))
+        check(str(cfg.model_path), cfg.page_size, bool(cfg.disable_radix_cache), offload_enabled())
 
 
 def install() -> None:
@@ -67,5 +70,5 @@ def install() -> None:
         return
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook  # optional: sglang
 
-    register_resolution_hook(STEP)(offload_checks)
+    register_resolution_hook(STEP)(startup_checks)
     _INSTALLED.append(True)

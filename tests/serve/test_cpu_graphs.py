@@ -5,7 +5,8 @@ eviction heads, one graph, for batches of 3 (batches of 1 and 2 run it padded to
 
 - the served tokens equal the HF model's (which the eager servers of test_sglang_backend.py and
   test_offload.py equal), three prompts at once, then two (a padding row), in batches whose
-  selection takes one or the other of two context buckets;
+  selection takes one or the other of two context buckets (offloading off; with offloading on, one
+  bucket);
 - the decode batches ran through the compiled graph (SGLang logs "cpu graph: True") and nothing
   was compiled again after the capture (TORCH_LOGS=recompiles), whichever context bucket a batch's
   selection took;
@@ -42,17 +43,19 @@ PROMPTS = [(300, 11), (700, 12), (40, 3)]  # two past the budget, one dense (40 
 NEW = 12
 
 
-def _server_env(extra: dict) -> dict:
+def _server_env(extra: dict, buckets: int) -> dict:
     """The server's environment: the stand-in of this checkout first on the path (its operator
     declarations let the CPU graph runner start), recompilations logged, inductor compiling in the
     scheduler itself (its pool of compile workers is one more process importing torch, and buys
-    nothing while the two servers already keep both cores busy), two context buckets for the
-    selection (512 and 1,024 tokens: the batches holding the 700-token prompt take the second, the
-    others the first; each bucket is compiled at start-up, so each one more adds minutes here)."""
+    nothing while the two servers already keep both cores busy), ``buckets`` context buckets for the
+    selection. ``graph`` has two (512 and 1,024 tokens: the batches holding the 700-token prompt take
+    the second, the others the first); ``offload`` one: its selection is the same code (what
+    offloading changes is where the selected blocks come from), and each bucket is compiled at
+    start-up, so each one more adds a minute of CPU here."""
     import sgl_kernel
 
     env = {"TORCH_LOGS": "recompiles", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
-           "NOSA_GRAPH_SPAN_BUCKETS": "2", **extra}
+           "NOSA_GRAPH_SPAN_BUCKETS": str(buckets), **extra}
     if getattr(sgl_kernel, "IS_NOSA_STANDIN", False):
         standin = os.path.join(ROOT, "serve", "tools", "sgl_kernel_standin")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (standin, os.environ.get("PYTHONPATH")) if p)
@@ -70,9 +73,9 @@ def servers(ckpt, tmp_path_factory):
     stats = str(logs / "stats.json")
     procs = {
         "graph": ServerProcess(ckpt, [*COMMON, "--max-total-tokens", "4096"], str(logs / "graph.log"),
-                               env=_server_env({})),
+                               env=_server_env({}, buckets=2)),
         "offload": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "offload.log"),
-                                 env=_server_env({**OFFLOAD_ENV, "NOSA_SERVE_STATS_FILE": stats})),
+                                 env=_server_env({**OFFLOAD_ENV, "NOSA_SERVE_STATS_FILE": stats}, buckets=1)),
     }
     try:
         for proc in procs.values():

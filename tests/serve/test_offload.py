@@ -5,11 +5,13 @@ checkpoint with non-zero eviction heads on every KV head.
   page size = block size, chunked prefill of 128, radix cache on;
 - ``off``: the session's ``nosa_server`` (tests/serve/conftest.py): the same checkpoint, the same
   chunked prefill and context length, offloading off (the KV in SGLang's pool);
-- ``sched``: ``on`` plus the recall scheduler (chunks of 4 items, so prefetches get preempted),
-  admission (each request owns 8 slots, borrows up to 2 more), W&B offline logging and SGLang's
-  Prometheus metrics (--enable-metrics);
-- ``int8``: ``on`` with an int8 host pool ($NOSA_HOST_KV_DTYPE); ``fp8``: ``sched``'s recall
-  scheduler and admission with a float8_e4m3fn host pool (no W&B).
+- ``int8``: ``on`` with an int8 host pool ($NOSA_HOST_KV_DTYPE);
+- ``fp8``: ``on`` with a float8_e4m3fn host pool plus the recall scheduler (chunks of 4 items, so
+  prefetches get preempted), admission (each request owns 8 slots, borrows up to 2 more), W&B
+  offline logging and SGLang's Prometheus metrics (--enable-metrics). One server for the quantized
+  pool and the scheduling (each server costs about 40 CPU-seconds to start): its replies are
+  compared with the HF model over the same fp8 round trip without scheduling, so a scheduling bug
+  fails them as it would fail a comparison with ``off``.
 Counters come from the file the backend writes when $NOSA_SERVE_STATS_FILE is set.
 """
 
@@ -28,6 +30,8 @@ from nosa.bench import tiny_checkpoint as tiny  # noqa: E402
 _MISSING = tiny.cpu_engine_missing()
 if _MISSING:
     pytest.skip(_MISSING, allow_module_level=True)
+
+import torch  # noqa: E402
 
 import nosa  # noqa: E402
 from nosa.bench.server.process import ServerProcess, stop_all  # noqa: E402
@@ -52,21 +56,19 @@ def servers(tiny_nosa_checkpoint, tmp_path_factory, nosa_server):
         "on": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "on.log"),
                             env={**OFFLOAD_ENV, "NOSA_SERVE_STATS_FILE": stats}),
         "bad": ServerProcess(ckpt, [*COMMON, "--page-size", "1"], str(logs / "bad.log"), env=OFFLOAD_ENV),
-        "sched": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size), "--enable-metrics"],
-                               str(logs / "sched.log"),
-                               env={**OFFLOAD_ENV, **SCHED_ENV, "NOSA_SERVE_STATS_FILE": str(logs / "sched.json"),
-                                    "NOSA_SERVE_WANDB_DIR": str(logs / "wandb")}),
         "int8": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "int8.log"),
                               env={**OFFLOAD_ENV, "NOSA_HOST_KV_DTYPE": "int8"}),
-        "fp8": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "fp8.log"),
-                             env={**OFFLOAD_ENV, **{k: v for k, v in SCHED_ENV.items() if "WANDB" not in k},
-                                  "NOSA_HOST_KV_DTYPE": "float8_e4m3fn"}),
+        "fp8": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size), "--enable-metrics"],
+                             str(logs / "fp8.log"),
+                             env={**OFFLOAD_ENV, **SCHED_ENV, "NOSA_HOST_KV_DTYPE": "float8_e4m3fn",
+                                  "NOSA_SERVE_STATS_FILE": str(logs / "fp8.json"),
+                                  "NOSA_SERVE_WANDB_DIR": str(logs / "wandb")}),
     }
     procs = {**own, "off": nosa_server}
     try:
-        for name in ("on", "off", "sched", "int8", "fp8"):
-            procs[name].wait_ready(timeout=600)  # four servers start at once on a shared 2-core machine
-        yield {**procs, "stats": stats, "sched_stats": str(logs / "sched.json"), "sched_wandb": str(logs / "wandb")}
+        for name in ("on", "off", "int8", "fp8"):
+            procs[name].wait_ready(timeout=600)  # three servers start at once on a shared 2-core machine
+        yield {**procs, "stats": stats, "fp8_stats": str(logs / "fp8.json"), "fp8_wandb": str(logs / "wandb")}
     finally:
         stop_all(own.values())
 
@@ -116,8 +118,6 @@ def test_quantized_host_kv_serves_the_hf_reference_with_the_same_roundtrip(serve
     The prompts are chunked (128 tokens), so the exact keys of chunk boundaries are exercised. Both
     other references are told apart on these prompts: the HF model in full precision (the pool's
     dtype changes some replies), and one that also selects from the round-tripped keys (fp8)."""
-    import torch
-
     from nosa.hf import host_kv_dtype
 
     model = nosa.from_pretrained(tiny_nosa_checkpoint)
@@ -154,10 +154,10 @@ def test_prometheus_metrics_equal_the_stats_file(servers):
     """With --enable-metrics, /metrics has nosa's series from the scheduler process, equal to the
     counts of $NOSA_SERVE_STATS_FILE once the server is idle; one hit-rate observation per request."""
     for n, seed in ((260, 41), (500, 42)):
-        servers["sched"].generate(tiny.prompt_ids(n, seed), 20)
-    counts = _stats(servers, key="sched_stats")
+        servers["fp8"].generate(tiny.prompt_ids(n, seed), 20)
+    counts = _stats(servers, key="fp8_stats")
     assert counts["requests"] == 0
-    got = _scrape(servers["sched"])
+    got = _scrape(servers["fp8"])
     layers = len(counts["offload"]["hits"])
     for series, key in (("nosa:block_cache_hits_total", "hits"), ("nosa:block_cache_misses_total", "misses"),
                         ("nosa:selected_blocks_total", "selected"), ("nosa:recalled_bytes_total", "recalled_bytes"),
@@ -184,7 +184,7 @@ def test_counters_add_up_and_recall_stays_within_the_locality_bound(servers):
     off = counts["offload"]
     for layer in range(2):
         assert off["hits"][layer] + off["misses"][layer] == off["selected"][layer]
-        assert off["recalled_bytes"][layer] == off["misses"][layer] * _item_bytes()
+        assert off["recalled_bytes"][layer] == off["misses"][layer] * _item_bytes(torch.float32)
         assert off["steps"][layer] > 40
         # every KV head has A != 0: per warm step at most query_blocks + 1 blocks are recalled
         assert 1 <= off["max_warm_misses"][layer] <= CFG.query_blocks + 1
@@ -192,9 +192,12 @@ def test_counters_add_up_and_recall_stays_within_the_locality_bound(servers):
     assert hit_rate > 0.5, hit_rate
 
 
-def _item_bytes() -> int:
-    # one (block, KV head) item: K and V (float32, head_dim 32) plus cis (float32)
-    return CFG.block_size * (32 * 4 * 2 + 4)
+def _item_bytes(dtype) -> int:
+    """Host bytes of one (block, KV head) item of a pool of ``dtype``: K and V (head_dim 32; a
+    quantized pool's scales with them) plus cis (float32). float32: 16 x (32 x 4 x 2 + 4)."""
+    from nosa import kvquant
+
+    return CFG.block_size * kvquant.bytes_per_token(32, 32, dtype)
 
 
 def test_no_block_leaks_after_finish_and_abort(servers):
@@ -239,13 +242,22 @@ def test_bad_offload_settings_stop_start_up_with_the_setting_named(servers):
     assert "--page-size must equal NosaConfig.block_size=16" in str(err.value)
 
 
-def test_scheduling_and_admission_leave_outputs_unchanged(servers):
-    """Recall scheduler, prefetch and admission on: the same tokens as offloading off, one request
-    at a time and 8 at once (the device budget runs two; admission may hold more back)."""
+def test_scheduling_and_admission_leave_outputs_unchanged(servers, tiny_nosa_checkpoint):
+    """Recall scheduler, prefetch and admission on (the fp8 server): the HF model's tokens over the
+    same fp8 round trip, which nothing schedules, one request at a time and 8 at once (the device
+    budget runs two; admission may hold more back)."""
+    from nosa.hf import host_kv_dtype
+
+    model = nosa.from_pretrained(tiny_nosa_checkpoint)
     for length, seed in LONG:
         prompt = tiny.prompt_ids(length, seed)
-        assert servers["sched"].generate(prompt, NEW) == servers["off"].generate(prompt, NEW), length
-    _mixed_at_once_equal_offload_off(servers, "sched", seed=200)
+        with host_kv_dtype(model, torch.float8_e4m3fn):
+            assert servers["fp8"].generate(prompt, NEW) == tiny.hf_greedy(model, prompt, NEW), length
+    prompts = [tiny.prompt_ids(n, 200 + n) for n in (35, 90, 150, 260, 410, 520, 70, 333)]
+    with host_kv_dtype(model, torch.float8_e4m3fn):
+        want = [tiny.hf_greedy(model, p, 8) for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(lambda p: servers["fp8"].generate(p, 8), prompts)) == want
 
 
 def test_scheduled_counters_add_up_and_feed_the_dashboard(servers, tmp_path):
@@ -253,12 +265,13 @@ def test_scheduled_counters_add_up_and_feed_the_dashboard(servers, tmp_path):
     import subprocess
     import sys
 
-    servers["sched"].generate(tiny.prompt_ids(700, 5), 40)
-    counts = _stats(servers, key="sched_stats")
+    servers["fp8"].generate(tiny.prompt_ids(700, 5), 40)
+    counts = _stats(servers, key="fp8_stats")
     off, sched = counts["offload"], counts["scheduler"]
     for layer in range(2):
         assert off["hits"][layer] + off["misses"][layer] == off["selected"][layer]
-        assert off["recalled_bytes"][layer] == off["misses"][layer] * _item_bytes()
+        # what a recall moves from an fp8 pool: 1-byte K and V, their scales, cis
+        assert off["recalled_bytes"][layer] == off["misses"][layer] * _item_bytes(torch.float8_e4m3fn)
         # every demand miss went through the worker; every prefetched item it copied was claimed
         assert sched["demand_items"][layer] == off["misses"][layer]
         assert sched["prefetch_items"][layer] == off["prefetched"][layer]
@@ -271,10 +284,10 @@ def test_scheduled_counters_add_up_and_feed_the_dashboard(servers, tmp_path):
     assert steps and all(sum(r["layers"]["hits"]) + sum(r["layers"]["misses"]) == sum(r["layers"]["selected"])
                          for r in steps)
     # W&B offline run plus its metrics.jsonl; the dashboard reads both the stats file and the jsonl
-    metrics = os.path.join(servers["sched_wandb"], "metrics.jsonl")
+    metrics = os.path.join(servers["fp8_wandb"], "metrics.jsonl")
     assert os.path.exists(metrics)
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "serve_dashboard.py")
-    for source in (servers["sched_stats"], metrics):
+    for source in (servers["fp8_stats"], metrics):
         png = tmp_path / (os.path.basename(source) + ".png")
         done = subprocess.run([sys.executable, script, source, "--plot", str(png), "--json"],
                               capture_output=True, text=True, timeout=120)

@@ -1,8 +1,11 @@
-"""nosa.serve.startup: offloading settings that cannot work stop SGLang's server-argument resolution
-(the launcher, before any scheduler starts) with the backend's own message; settings that work, and
-servers without offloading, resolve as before. Run in-process through SGLang's real resolution."""
+"""nosa.serve.startup: a malformed NosaConfig, and offloading settings that cannot work, stop SGLang's
+server-argument resolution (the launcher, before any scheduler starts) with the backend's own message;
+settings that work, and servers without offloading, resolve as before. Run in-process through
+SGLang's real resolution."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -45,7 +48,25 @@ def test_offloading_settings_are_checked_before_a_scheduler_starts(ckpts, monkey
             resolve(ckpts[model], **kwargs)
 
 
-def test_without_offloading_nothing_is_checked(ckpts, monkeypatch):
+def test_without_offloading_only_the_nosa_config_is_checked(ckpts, monkeypatch, tmp_path):
     monkeypatch.delenv("NOSA_OFFLOAD", raising=False)
     resolve(ckpts["llama"], page_size=1)
     resolve(ckpts["hybrid"], page_size=16)
+    # a 'nosa' section whose budget cannot hold the forced blocks: the launcher stops, naming it
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with open(f"{ckpts['llama']}/config.json") as f:
+        config = json.load(f)
+    config["nosa"]["topk_blocks"] = 2
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"malformed 'nosa' section in {bad}/config.json .*topk_blocks=2"):
+        resolve(str(bad))
+    # a dense checkpoint takes its NosaConfig from $NOSA_CONFIG, checked the same way
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    del config["nosa"]
+    config["model_type"], config["architectures"] = "llama", ["LlamaForCausalLM"]
+    (dense / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("NOSA_CONFIG", "{not json")
+    with pytest.raises(ValueError, match=r"malformed \$NOSA_CONFIG"):
+        resolve(str(dense))
