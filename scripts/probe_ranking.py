@@ -1,8 +1,10 @@
-"""Where a checkpoint's selection puts the answer: for suite-style examples, how the eviction heads
-and the query-aware score rank the block that holds the answer, weighted by the dense attention the
-answer-predicting row pays to it.
+"""Where a checkpoint's selection puts the answer: for the project's suite-style examples or NVIDIA
+RULER's (``--suite ruler``), how the eviction heads and the query-aware score rank the block that
+holds the answer, weighted by the dense attention the answer-predicting row pays to it.
 
     python scripts/probe_ranking.py --checkpoint runs/smollm2/fitted --tasks niah_multikey qa niah_single
+    python scripts/probe_ranking.py --suite ruler --checkpoint runs/gemma3-8k/fitted \\
+        --tokenizer models/gemma3-270m --length 8192 --examples 2 --shares 4
 
 Per example, layer and KV head, the last prompt row (it predicts the answer's first token) is run
 densely and its attention to the answer's block is the weight. At each budget share (``--shares``;
@@ -19,8 +21,11 @@ the suite's ``budget_config``) the block is
 
 Each figure is the share of the answer-block weight, over all examples of a task. Also reported:
 the weighted mean number of other blocks holding an inserted sentence (a distractor needle) that the
-heads rank above the answer's block. The examples come from ``--seed`` (default 1; the suite's is
-0). Writes JSON (``--out``) and prints a markdown table.
+heads rank above the answer's block. The examples come from ``--seed``: by default 1 for the
+project's suite (whose own seed is 0) and RULER's benchmark seed (42) for RULER, whose examples the
+probe is there to explain (the answer's block is where the first reference first appears: meant for
+the niah and qa tasks, not for word extraction). Writes JSON (``--out``: per task and per example)
+and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")  # before transformers is imported (it reads them then)
 
 from nosa.bench.longctx.probe import run  # noqa: E402
+from nosa.bench.longctx.suites import task_names  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -41,13 +47,21 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default="runs/smollm2/fitted", help="a NOSA checkpoint (eviction heads)")
     parser.add_argument("--tokenizer", default="models/smollm2-135m")
-    parser.add_argument("--tasks", nargs="+", default=["niah_multikey", "qa", "niah_single"])
+    parser.add_argument("--suite", choices=["nosa", "ruler"], default="nosa",
+                        help="the project's suite-style tasks, or NVIDIA RULER's (default nosa)")
+    parser.add_argument("--ruler-data", default="runs/ruler-data", help="where RULER's generated rows are kept")
+    parser.add_argument("--tasks", nargs="+", default=None,
+                        help="default: niah_multikey qa niah_single (nosa); the niah tasks (ruler)")
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--examples", type=int, default=6, help="per task")
     parser.add_argument("--shares", type=int, nargs="+", default=[4, 8], help="budgets: 1/SHARE of the blocks")
-    parser.add_argument("--seed", type=int, default=1, help="the examples' seed (the suite uses 0)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="the examples' seed (default: 1 for nosa, whose suite uses 0; ruler: 42, the benchmark's)")
     parser.add_argument("--out", default="results/probe_ranking.json")
     args = parser.parse_args(argv)
+    if args.tasks is None:
+        args.tasks = ["niah_multikey", "qa", "niah_single"] if args.suite == "nosa" else [
+            t for t in task_names("ruler") if t.startswith("niah")]
     for path in (args.checkpoint, args.tokenizer):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise SystemExit(f"probe_ranking: no checkpoint at {path!r} (python -m nosa.models smollm2 --out "

@@ -106,6 +106,28 @@ def ruler_gemma3_differ(root: Path) -> str:
     return ruler_differ(root, RULER_GEMMA)
 
 
+PROBE_GEMMA = "results/probe_ranking_gemma3.json"
+PROBED = ("dense", "A = 0, 1/4", "fitted-8k, 1/4")  # the bench's variants beside the probe (its checkpoint's last)
+
+
+@renders(PROBE_GEMMA, RULER_GEMMA)
+def probe_ranking_gemma3(root: Path) -> str:
+    """Per RULER example (scripts/probe_ranking.py --suite ruler): where the answer's block stands in
+    the selection of the probed checkpoint, beside the bench's scores of the same example."""
+    probe, bench = load(root, PROBE_GEMMA), load(root, RULER_GEMMA)
+    scores = {(e["task"], e["index"]): e["right"] for e in bench["examples"] if e["length"] == probe["length"]}
+    rows = []
+    for r in probe["examples"]:
+        right = scores[(r["task"], r["index"])]
+        rows.append([f"{r['task']} #{r['index']}", *(f"{100 * right[v]:.0f}" for v in PROBED), f"{r['forced']:.2f}",
+                     f"{r['ranked']:.2f}", f"{r['picked']:.2f}", f"{r['covered']:.2f}", f"{r['above']:.1f}"])
+    header = ["example", *PROBED, "forced", "ranked by the heads", "picked by the query", "in the selection",
+              "needles the heads rank above it"]
+    return (table(header, rows) + f"\n\nScores (0-100) from `{RULER_GEMMA}`; the other columns are shares of the "
+            f"answer block's weight at 1/{probe['examples'][0]['share']} (checkpoint `{probe['checkpoint']}`, "
+            f"{probe['length']} tokens).")
+
+
 RULER_FT = "results/ruler_ft.json"
 
 

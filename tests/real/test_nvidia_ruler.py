@@ -66,10 +66,11 @@ def test_paired_lists_the_examples_where_two_variants_differ():
 
 @pytest.mark.real
 def test_ruler_through_the_benchmark_at_the_full_budget_and_its_examples(real_checkpoint, real_tokenizer, run_script,
-                                                                        tmp_path, capsys):
+                                                                        dense_model_once, tmp_path, capsys):
     """scripts/bench_longctx.py --suite ruler at 1K: at a budget of every block A = 0 replies as
     dense does and scores alike; the rows RULER's generators wrote fit, split at the question and
-    hide the answers in the context; a second read finds them written."""
+    hide the answers in the context; a second read finds them written. scripts/probe_ranking.py
+    --suite ruler on the same rows finds the answer's block, inside the selection at every block."""
     length, tasks = 1024, ("niah_single_1",)  # a repeated haystack
     data = tmp_path / "ruler-data"
     args = ["--suite", "ruler", "--model", real_checkpoint, "--lengths", str(length), "--examples", "1",
@@ -107,6 +108,36 @@ def test_ruler_through_the_benchmark_at_the_full_budget_and_its_examples(real_ch
     assert real_tokenizer.decode(cwe.prompt_ids).count("Question: What are the 10 most common words") == 2
     assert suite.score(" ".join(cwe.references), cwe) == 1.0 and suite.settled(" ".join(cwe.references), cwe)
     assert suite.score(cwe.references[0], cwe) == pytest.approx(0.1)
+
+    # the ranking probe on the same rows (read back, not generated again), heads with A != 0
+    import copy
+
+    import nosa
+    from nosa.bench.longctx.config import budget_config
+    from nosa.tiny import set_eviction_heads
+
+    model = copy.deepcopy(dense_model_once)
+    nosa.convert(model, budget_config(length, 1))
+    set_eviction_heads(model, scale=0.5, std=0.3, seed=0, bias_std=0.3)
+    model.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "probe.json"
+    assert run_script("probe_ranking.py", "--suite", "ruler", "--checkpoint", str(tmp_path / "ckpt"), "--tokenizer",
+                      real_checkpoint, "--length", str(length), "--examples", "1", "--tasks", *tasks,
+                      "--shares", "1", "4", "--ruler-data", str(data), "--out", str(out)) == 0
+    probe = json.loads(out.read_text())
+    assert probe["suite"] == "ruler" and probe["seed"] == nvidia_ruler.SEED
+    niah, size = examples[0], budget_config(length, 1).block_size
+    rows = {r["share"]: r for r in probe["examples"]}
+    assert sorted(rows) == [1, 4] and all(r["task"] == "niah_single_1" and r["index"] == 0 for r in rows.values())
+    # the block where the answer starts (the text before the block is shorter than the answer's offset)
+    answer_at = real_tokenizer.decode(niah.prompt_ids[: niah.context_end]).index(niah.references[0])
+    block = rows[1]["block"]
+    assert len(real_tokenizer.decode(niah.prompt_ids[: block * size])) <= answer_at
+    assert answer_at < len(real_tokenizer.decode(niah.prompt_ids[: (block + 1) * size]))
+    assert rows[1]["covered"] == pytest.approx(1.0)  # every block selected
+    for r in rows.values():
+        assert r["covered"] >= r["forced"] + r["ranked"] - 1e-6 and r["covered"] >= r["forced"] + r["picked"] - 1e-6
+        assert r["above"] == 0  # niah_single_1 has one needle: no other needle sentence ranks above it
 
 
 def test_unknown_ruler_task_is_a_clear_error():

@@ -37,9 +37,11 @@ def write_report(report: dict, out: str) -> None:
 def capture_examples(model, fit_cfg, examples, tokenizer, block_size: int) -> list[dict]:
     """Per example: the answer block, and per layer the last prompt row's q, the keys and values,
     and the dense attention probabilities of that row (the model runs densely)."""
+    from tqdm import tqdm  # optional: tqdm (the train extra)
+
     out = []
     nosa.convert(model, dataclasses.replace(fit_cfg, dense_len=max(len(ex.prompt_ids) for ex in examples)))
-    for ex in examples:
+    for ex in tqdm(examples, desc="dense passes", unit="example"):
         block = answer_block(tokenizer, ex, block_size)
         if block is None:
             print(f"sweep_fit: {ex.task} example {ex.index} at {ex.length}: answer not found in the context; skipped")

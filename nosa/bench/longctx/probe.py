@@ -1,6 +1,7 @@
 """The ranking probe (scripts/probe_ranking.py): where a checkpoint's selection puts the block holding
-the answer of suite-style examples, by the eviction heads' static order and by the query-aware
-score, weighted by the dense attention the answer-predicting row pays to it."""
+the answer of the project's suite-style examples or NVIDIA RULER's, by the eviction heads' static
+order and by the query-aware score, weighted by the dense attention the answer-predicting row pays
+to it."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from transformers import AutoTokenizer
 import nosa
 from nosa.bench.longctx.config import budget_config
 from nosa.bench.longctx.coverage import capture_examples, coverage, write_report
+from nosa.bench.longctx.suites import SEEDS, make_suite
 from nosa.compress import compress_windows
 from nosa.eviction import MODULE_NAME, block_eviction_scores
 from nosa.select import query_block_scores
 from nosa.train import prose, ruler
 
-# text of nosa.train.ruler's inserted sentences (not of its instructions), to find the distractors' blocks
-INSERTED = ("magic numbers for", " keeps the ", "VAR ", "pass key is")
+# text of the inserted sentences (not of the instructions), to find the distractors' blocks: the
+# project's suite (nosa.train.ruler) and RULER's needles ("One of the special magic numbers for ...")
+INSERTED = {"nosa": ("magic numbers for", " keeps the ", "VAR ", "pass key is"), "ruler": ("special magic",)}
 
 
 def static_order(evict) -> list[int]:
@@ -70,21 +73,33 @@ def run(args) -> int:
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     model = nosa.from_pretrained(args.checkpoint).eval()
-    _, heldout = prose.split(prose.documents(prose.FIXED_SOURCES))
-    haystack = ruler.Haystack(tokenizer, [d.text for d in heldout])
-    examples = [ex for task in args.tasks
-                for ex in ruler.make_examples(tokenizer, haystack, task, args.length, args.examples, args.seed)]
+    # default seeds: RULER's benchmark examples (the probe explains their replies); the project's suite
+    # another seed than its own (the probe must not read the examples a fit was chosen on)
+    seed = args.seed if args.seed is not None else SEEDS["ruler"] if args.suite == "ruler" else 1
+    if args.suite == "ruler":  # RULER's own examples (the benchmark's, at its seed)
+        examples = make_suite("ruler", args.tasks, data_dir=args.ruler_data).examples(
+            tokenizer, args.tokenizer, args.length, args.examples, seed)
+    else:
+        _, heldout = prose.split(prose.documents(prose.FIXED_SOURCES))
+        haystack = ruler.Haystack(tokenizer, [d.text for d in heldout])
+        examples = [ex for task in args.tasks
+                    for ex in ruler.make_examples(tokenizer, haystack, task, args.length, args.examples, seed)]
     capture_cfg = budget_config(args.length, args.shares[0])  # the capture runs densely; any share's blocks
     size = capture_cfg.block_size
     captured = capture_examples(model, capture_cfg, examples, tokenizer, size)
     by_index = {(ex.task, ex.index): ex for ex in examples}
     sums: dict[tuple[str, int], dict] = {}
+    per_example = []
     for cap in captured:
         ex = by_index[(cap["task"], cap["index"])]
         texts = [tokenizer.decode(list(ex.prompt_ids[i : i + size])) for i in range(0, ex.context_end, size)]
-        inserted = {i for i, t in enumerate(texts) if any(s in t for s in INSERTED)} - {cap["block"]}
+        inserted = {i for i, t in enumerate(texts) if any(s in t for s in INSERTED[args.suite])} - {cap["block"]}
         for share in args.shares:
             got = probe(model, cap, share, inserted)
+            total = got["total"] or float("nan")
+            per_example.append({"task": cap["task"], "index": cap["index"], "share": share, "block": cap["block"],
+                                **{key: got[key] / total for key in ("forced", "ranked", "picked", "covered")},
+                                "above": got["above"] / total})
             acc = sums.setdefault((cap["task"], share), {"examples": 0})
             acc["examples"] += 1
             for key, value in got.items():
@@ -95,8 +110,9 @@ def run(args) -> int:
         rows.append({"task": task, "share": share, "examples": acc["examples"],
                      "config": budget_config(args.length, share).to_dict(),
                      **{key: acc[key] / total for key in ("forced", "ranked", "picked", "covered", "above")}})
-    report = {"checkpoint": args.checkpoint, "length": args.length, "seed": args.seed, "tasks": args.tasks,
-              "examples_per_task": args.examples, "rows": rows, "seconds": round(time.perf_counter() - t0, 1),
+    report = {"checkpoint": args.checkpoint, "suite": args.suite, "length": args.length, "seed": seed,
+              "tasks": args.tasks, "examples_per_task": args.examples, "rows": rows, "examples": per_example,
+              "seconds": round(time.perf_counter() - t0, 1),
               "metric": "shares of the answer block's dense attention from the last prompt row (module docstring)"}
     write_report(report, args.out)
     print("| task | budget | ranked by the heads | picked by the query | forced | in the selection "
