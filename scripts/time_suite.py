@@ -19,6 +19,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/suite.json", help="JSON output (default results/suite.json)")
     parser.add_argument("--slowest", type=int, default=15, help="how many of the slowest tests to keep (default 15)")
+    parser.add_argument("--all-tests", default=None, metavar="PATH",
+                        help="also write every test's seconds (slowest first) to PATH")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args(argv)
     return run(args)["exit_code"]

@@ -3,6 +3,7 @@ JUnit report, its wall time, the outcome counts and the slowest tests, written w
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -78,5 +79,8 @@ def run(args) -> dict:
               "test_seconds_total": round(sum(t["seconds"] for t in tests), 1), "slowest": slowest,
               "files": by_file(tests)}
     write_result(args.out, result)
+    if getattr(args, "all_tests", None):  # every test's seconds, for finding what to cut
+        with open(args.all_tests, "w") as f:
+            json.dump(sorted(tests, key=lambda t: -t["seconds"]), f, indent=1)
     print(f"suite: {counts} in {wall:.0f} s (exit {done.returncode}); wrote {args.out}")
     return result
