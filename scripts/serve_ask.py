@@ -3,7 +3,7 @@
     python scripts/serve_ask.py                                   # the quickstart's runs/tiny/nosa
     python scripts/serve_ask.py --checkpoint runs/tiny-seed1/nosa --examples 32 --concurrency 8
     python scripts/serve_ask.py --suite --checkpoint runs/smollm2/nosa --length 8192   # the real model
-    python scripts/serve_ask.py --suite ruler --checkpoint runs/smollm2-sparse/nosa --length 8192 \
+    python scripts/serve_ask.py --suite ruler --checkpoint runs/smollm2-sparse/nosa --length 8192 \\
         --dense models/smollm2-135m                    # NVIDIA's RULER, dense's answer beside each served one
 
 What it does, in order:
@@ -74,6 +74,8 @@ def parse_args(argv=None):
     suite.add_argument("--tasks", nargs="+", default=None, help="suite tasks (default: all of the suite's)")
     suite.add_argument("--per-task", type=int, default=1, help="examples of each task")
     suite.add_argument("--share", type=int, default=4, help="budget = 1/share of the context's blocks")
+    suite.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                       help="cap each reply at N tokens (default: the task's reply length); scored as capped")
     suite.add_argument("--picks", type=picks_share, default=PICKS, metavar="FRACTION",
                        help="free query-aware picks as a share of the budget (bench_longctx.py --picks; "
                             "default the suite's 1/16, the release's 15/64)")
@@ -92,7 +94,10 @@ def parse_args(argv=None):
     p.add_argument("--out", default="results/serve_ask.json", help="JSON summary")
     p.add_argument("--plot", default="results/serve_ask.png", help="serving dashboard PNG ('' to skip)")
     p.add_argument("--log", default=None, help="server log file (default: a temporary file, kept on failure)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        p.error(f"--max-tokens must be at least 1 (got {args.max_tokens})")
+    return args
 
 
 def main(argv=None) -> int:

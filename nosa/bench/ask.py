@@ -100,7 +100,8 @@ def suite_plan(args, work: str) -> Plan:
               f"{args.cache or 'off'}; computed where it has none)", flush=True)
         dense = dense_answers(args.dense, tokenizer, suite, examples, args.cache)
     asked = [Question(f"{ex.length} {ex.task} #{ex.index}", ex.task, chat_messages(tokenizer, ex.prompt_ids),
-                      ex.references, ex.max_new_tokens, len(ex.prompt_ids), chat=True,
+                      ex.references, min(ex.max_new_tokens, args.max_tokens or ex.max_new_tokens),
+                      len(ex.prompt_ids), chat=True,
                       scorer=lambda reply, ex=ex: float(suite.score(reply, ex)), dense=d)
              for ex, d in zip(examples, dense)]
     name = "NVIDIA's RULER" if suite.name == "ruler" else "the long-context suite"

@@ -59,6 +59,7 @@ def test_suite_prompts_travel_as_chat_messages_that_render_back_to_them(real_tok
 # (niah_multivalue's four references had the toy fine-tune babble all 128 tokens, decoded twice over).
 # RULER's scoring of several references is tested in test_nvidia_ruler.py.
 RULER_TASKS, PER_TASK = ("niah_single_1",), 3  # 3 prompts at once against a device budget of 2 requests
+MAX_TOKENS = 24  # the replies capped (serve_ask --max-tokens): a 7-digit answer and some decode steps after it
 
 
 def test_served_ruler_replies_of_the_fine_tune_equal_the_hf_nosa_model(sparse_ft_checkpoint, real_checkpoint,
@@ -74,7 +75,8 @@ def test_served_ruler_replies_of_the_fine_tune_equal_the_hf_nosa_model(sparse_ft
     checkpoint = os.path.join(cfg.out_dir, "nosa")
     data, cache = tmp_path / "ruler-data", tmp_path / "cache"
     summary = serve_ask(checkpoint, tmp_path, "--suite", "ruler", "--tasks", *RULER_TASKS, "--ruler-data", str(data),
-                        "--per-task", str(PER_TASK), "--dense", real_checkpoint, "--cache", str(cache))
+                        "--per-task", str(PER_TASK), "--dense", real_checkpoint, "--cache", str(cache),
+                        "--max-tokens", str(MAX_TOKENS))
     served = summary["answers"]
     assert summary["suite"] == "ruler"
     assert [a["label"] for a in served] == [t for t in RULER_TASKS for _ in range(PER_TASK)]
@@ -90,10 +92,12 @@ def test_served_ruler_replies_of_the_fine_tune_equal_the_hf_nosa_model(sparse_ft
         assert answer["served_prompt_tokens"] == len(ex.prompt_ids)
         ids = torch.tensor([ex.prompt_ids])
         replies = []
-        for m in (model, dense_model_once):
+        # served: capped at MAX_TOKENS; dense: the benchmark's reply (it stops once fully right) and a bit
+        dense_tokens = len(real_tokenizer.encode(answer["dense"]["reply"], add_special_tokens=False)) + 2
+        for m, new in ((model, min(ex.max_new_tokens, MAX_TOKENS)), (dense_model_once, dense_tokens)):
             with torch.no_grad():
-                reply = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ex.max_new_tokens,
-                                   do_sample=False, pad_token_id=real_tokenizer.eos_token_id)
+                reply = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                   pad_token_id=real_tokenizer.eos_token_id)
             replies.append(real_tokenizer.decode(reply[0, ids.shape[1]:], skip_special_tokens=True))
         assert answer["reply"] == replies[0], (ex.task, answer["reply"], replies[0])
         assert answer["score"] == suite.score(answer["reply"], ex)  # RULER's own metric
