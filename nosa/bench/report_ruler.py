@@ -106,6 +106,16 @@ def ruler_gemma3_differ(root: Path) -> str:
     return ruler_differ(root, RULER_GEMMA)
 
 
+RULER_GEMMA_32K = "results/ruler_gemma3_32k.json"
+
+
+@renders(RULER_GEMMA_32K)
+def ruler_gemma3_32k(root: Path) -> str:
+    """The documented 32K subset of Gemma 3 270M (three needle tasks, one example each): its summary
+    and its per-task scores."""
+    return ruler_summary(root, RULER_GEMMA_32K) + "\n\n" + ruler_tasks(root, RULER_GEMMA_32K)
+
+
 PROBE_GEMMA = "results/probe_ranking_gemma3.json"
 PROBED = ("dense", "A = 0, 1/4", "fitted-8k, 1/4")  # the bench's variants beside the probe (its checkpoint's last)
 
