@@ -49,7 +49,6 @@ import shutil
 import sys
 import tempfile
 
-from nosa.bench.ask import run
 from nosa.bench.longctx.config import PICKS, picks_share
 from nosa.bench.longctx.suites import SUITES
 
@@ -105,6 +104,8 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.checkpoint):
         raise SystemExit(f"serve_ask: no checkpoint at {args.checkpoint}; train one first "
                          "(python -m nosa.train --config configs/train/tiny.yaml)")
+    from nosa.bench.ask import run  # optional: transformers and the server code, loaded after the checks above
+
     work = tempfile.mkdtemp(prefix="serve_ask-")  # the server's log, stats file and checkpoint view
     code = run(args, work)
     shutil.rmtree(work, ignore_errors=True)  # kept when anything failed: the log is there
