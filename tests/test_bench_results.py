@@ -144,6 +144,15 @@ def test_the_docs_line_says_what_changed_while_a_run_ran(tmp_path):
     assert "committed" not in edited and "Tracked files were edited while it ran." in edited
 
 
+def test_the_suite_timer_measures_the_machines_speed_with_a_fixed_loop():
+    """loop_seconds: a positive time for the loop, and more of it for ten times the iterations
+    (no figure is asserted: the machine's speed is what it measures)."""
+    from nosa.bench.suite_time import loop_seconds
+
+    short, long = loop_seconds(100_000), loop_seconds(1_000_000)
+    assert 0 < short and 0 < long and long >= short
+
+
 def test_the_suite_timer_measures_how_busy_the_cores_were():
     """cpu_busy: the busy share of the machine's CPU time between two /proc/stat reads."""
     from nosa.bench.suite_time import busy_share, cpu_times

@@ -382,6 +382,9 @@ def suite(root: Path) -> str:
             f"{counts['failed']} failed in {data['wall_seconds'] / 60:.1f} min of wall time on "
             f"{data['workers']} workers ({data['test_seconds_total'] / 60:.1f} min of tests' own time)"
             + (f"; the cores were busy {data['cpu_busy']:.0%} of the time" if data.get("cpu_busy") is not None else "")
+            + (". The machine's speed: a fixed Python loop (`nosa.bench.suite_time.loop_seconds`) took "
+               f"{data['speed_loop_seconds'][0]:.2f} s on one core before the run and "
+               f"{data['speed_loop_seconds'][1]:.2f} s after it" if data.get("speed_loop_seconds") else "")
             + ". The slowest tests (setup, call and teardown together; a module's servers start in its first "
             "test's setup):")
     rows = [[f"`{t['test']}`", f"{t['seconds']:.0f} s"] for t in data["slowest"]]

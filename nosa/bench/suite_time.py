@@ -61,21 +61,37 @@ def busy_share(before, after) -> float | None:
     return round((after[0] - before[0]) / (after[1] - before[1]), 3)
 
 
+SPEED_LOOP = 20_000_000  # iterations of loop_seconds' fixed loop: a few seconds on one core
+
+
+def loop_seconds(n: int = SPEED_LOOP) -> float:
+    """Seconds one core takes for a fixed pure-Python loop of ``n`` additions: the machine's speed
+    around a run. A shared VM's speed moves by tens of percent within an hour (the same tests took a
+    third longer an hour apart here), so two suite times compare only beside their loops."""
+    start, total = time.perf_counter(), 0
+    for i in range(n):
+        total += i
+    return time.perf_counter() - start
+
+
 def run(args) -> dict:
     """Run the suite once (``args.pytest_args`` appended), write ``args.out``; returns the result."""
     with tempfile.TemporaryDirectory(prefix="nosa-suite-") as work:
         junit = os.path.join(work, "junit.xml")
         command = ["bash", "scripts/test.sh", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                    *args.pytest_args]
+        loop_before = loop_seconds()
         start, cpu_before = time.perf_counter(), cpu_times()
         done = subprocess.run(command, cwd=REPO)
         wall, busy = time.perf_counter() - start, busy_share(cpu_before, cpu_times())
+        loop_after = loop_seconds()
         tests = junit_tests(junit) if os.path.exists(junit) else []
     counts = {kind: sum(t["outcome"] == kind for t in tests) for kind in ("passed", "skipped", "failed")}
     slowest = sorted(tests, key=lambda t: -t["seconds"])[: args.slowest]
     result = {"suite_command": " ".join(command[:2] + list(args.pytest_args)), "exit_code": done.returncode,
               "wall_seconds": round(wall, 1), "workers": 2,
-              "cpu_busy": busy, "cores": os.cpu_count(), "tests": counts,
+              "cpu_busy": busy, "cores": os.cpu_count(), "speed_loop_seconds": [round(loop_before, 2), round(loop_after, 2)],
+              "tests": counts,
               "test_seconds_total": round(sum(t["seconds"] for t in tests), 1), "slowest": slowest,
               "files": by_file(tests)}
     write_result(args.out, result)
