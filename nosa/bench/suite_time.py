@@ -90,8 +90,8 @@ def run(args) -> dict:
     slowest = sorted(tests, key=lambda t: -t["seconds"])[: args.slowest]
     result = {"suite_command": " ".join(command[:2] + list(args.pytest_args)), "exit_code": done.returncode,
               "wall_seconds": round(wall, 1), "workers": 2,
-              "cpu_busy": busy, "cores": os.cpu_count(), "speed_loop_seconds": [round(loop_before, 2), round(loop_after, 2)],
-              "tests": counts,
+              "cpu_busy": busy, "cores": os.cpu_count(),
+              "speed_loop_seconds": [round(loop_before, 2), round(loop_after, 2)], "tests": counts,
               "test_seconds_total": round(sum(t["seconds"] for t in tests), 1), "slowest": slowest,
               "files": by_file(tests)}
     write_result(args.out, result)
