@@ -38,7 +38,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")  # before transformers is imported (it reads them then)
 
 from nosa.bench.longctx.probe import run  # noqa: E402
-from nosa.bench.longctx.suites import task_names  # noqa: E402
+from nosa.bench.longctx.suites import SEEDS, task_names  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -62,6 +62,9 @@ def main(argv=None) -> int:
     if args.tasks is None:
         args.tasks = ["niah_multikey", "qa", "niah_single"] if args.suite == "nosa" else [
             t for t in task_names("ruler") if t.startswith("niah")]
+    if args.seed is None:  # RULER: the benchmark's examples, whose replies the probe explains; the project's
+        # suite: another seed than its own 0 (the probe must not read the examples a fit was chosen on)
+        args.seed = SEEDS["ruler"] if args.suite == "ruler" else 1
     for path in (args.checkpoint, args.tokenizer):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise SystemExit(f"probe_ranking: no checkpoint at {path!r} (python -m nosa.models smollm2 --out "

@@ -89,10 +89,11 @@ def test_offload_equals_offload_off(servers):
         assert servers["on"].generate(prompt, NEW) == servers["off"].generate(prompt, NEW), length
 
 
-def _mixed_at_once_equal_offload_off(servers, name: str, seed: int) -> None:
-    """8 requests of mixed lengths sent to server ``name`` at once get offloading-off's tokens."""
+def _mixed_at_once_equal(servers, name: str, seed: int, reference) -> None:
+    """8 requests of mixed lengths sent to server ``name`` at once get ``reference(prompt, 8)``'s
+    tokens, each asked alone."""
     prompts = [tiny.prompt_ids(n, seed + n) for n in (35, 90, 150, 260, 410, 520, 70, 333)]
-    want = [servers["off"].generate(p, 8) for p in prompts]
+    want = [reference(p, 8) for p in prompts]
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda p: servers[name].generate(p, 8), prompts))
     assert got == want
@@ -100,7 +101,7 @@ def _mixed_at_once_equal_offload_off(servers, name: str, seed: int) -> None:
 
 def test_concurrent_mixed_lengths_equal_offload_off(servers):
     """8 requests at once; the device budget runs two at a time (SGLang queues the rest)."""
-    _mixed_at_once_equal_offload_off(servers, "on", seed=100)
+    _mixed_at_once_equal(servers, "on", 100, servers["off"].generate)
 
 
 def test_context_many_times_the_device_budget_equals_hf(servers, tiny_nosa_checkpoint):
@@ -253,11 +254,8 @@ def test_scheduling_and_admission_leave_outputs_unchanged(servers, tiny_nosa_che
         prompt = tiny.prompt_ids(length, seed)
         with host_kv_dtype(model, torch.float8_e4m3fn):
             assert servers["fp8"].generate(prompt, NEW) == tiny.hf_greedy(model, prompt, NEW), length
-    prompts = [tiny.prompt_ids(n, 200 + n) for n in (35, 90, 150, 260, 410, 520, 70, 333)]
     with host_kv_dtype(model, torch.float8_e4m3fn):
-        want = [tiny.hf_greedy(model, p, 8) for p in prompts]
-    with ThreadPoolExecutor(8) as pool:
-        assert list(pool.map(lambda p: servers["fp8"].generate(p, 8), prompts)) == want
+        _mixed_at_once_equal(servers, "fp8", 200, lambda prompt, new: tiny.hf_greedy(model, prompt, new))
 
 
 def test_scheduled_counters_add_up_and_feed_the_dashboard(servers, tmp_path):

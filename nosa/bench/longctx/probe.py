@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 import nosa
 from nosa.bench.longctx.config import budget_config
 from nosa.bench.longctx.coverage import capture_examples, coverage, write_report
-from nosa.bench.longctx.suites import SEEDS, make_suite
+from nosa.bench.longctx.suites import make_suite
 from nosa.compress import compress_windows
 from nosa.eviction import MODULE_NAME, block_eviction_scores
 from nosa.select import query_block_scores
@@ -73,17 +73,14 @@ def run(args) -> int:
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     model = nosa.from_pretrained(args.checkpoint).eval()
-    # default seeds: RULER's benchmark examples (the probe explains their replies); the project's suite
-    # another seed than its own (the probe must not read the examples a fit was chosen on)
-    seed = args.seed if args.seed is not None else SEEDS["ruler"] if args.suite == "ruler" else 1
     if args.suite == "ruler":  # RULER's own examples (the benchmark's, at its seed)
         examples = make_suite("ruler", args.tasks, data_dir=args.ruler_data).examples(
-            tokenizer, args.tokenizer, args.length, args.examples, seed)
+            tokenizer, args.tokenizer, args.length, args.examples, args.seed)
     else:
         _, heldout = prose.split(prose.documents(prose.FIXED_SOURCES))
         haystack = ruler.Haystack(tokenizer, [d.text for d in heldout])
         examples = [ex for task in args.tasks
-                    for ex in ruler.make_examples(tokenizer, haystack, task, args.length, args.examples, seed)]
+                    for ex in ruler.make_examples(tokenizer, haystack, task, args.length, args.examples, args.seed)]
     capture_cfg = budget_config(args.length, args.shares[0])  # the capture runs densely; any share's blocks
     size = capture_cfg.block_size
     captured = capture_examples(model, capture_cfg, examples, tokenizer, size)
@@ -110,7 +107,7 @@ def run(args) -> int:
         rows.append({"task": task, "share": share, "examples": acc["examples"],
                      "config": budget_config(args.length, share).to_dict(),
                      **{key: acc[key] / total for key in ("forced", "ranked", "picked", "covered", "above")}})
-    report = {"checkpoint": args.checkpoint, "suite": args.suite, "length": args.length, "seed": seed,
+    report = {"checkpoint": args.checkpoint, "suite": args.suite, "length": args.length, "seed": args.seed,
               "tasks": args.tasks, "examples_per_task": args.examples, "rows": rows, "examples": per_example,
               "seconds": round(time.perf_counter() - t0, 1),
               "metric": "shares of the answer block's dense attention from the last prompt row (module docstring)"}
