@@ -66,24 +66,34 @@ def test_full_budget_conversion_equals_dense_and_sparse_touches_only_full_layers
     assert (sparse.hidden_states[6] - dense.hidden_states[6]).abs().max() > 1e-3  # layer 5 (full): sparse
 
 
-def test_sparse_decode_equals_prefill_and_round_trips(gemma_once, prompt, tmp_path):
-    dense_model, _ = gemma_once
-    model = nosa.convert(copy.deepcopy(dense_model), SPARSE)
+@pytest.fixture(scope="module")
+def sparse(gemma_once, tmp_path_factory):
+    """(the NOSA model at SPARSE with eviction heads A != 0, its checkpoint with the tokenizer): one
+    conversion and one save for the round trip and the served test."""
+    dense_model, tokenizer = gemma_once
+    model = nosa.convert(copy.deepcopy(dense_model), SPARSE).eval()
     set_eviction_heads(model, scale=0.5, std=0.3, seed=1)
+    path = tmp_path_factory.mktemp("gemma-nosa") / "nosa"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, path
+
+
+def test_sparse_decode_equals_prefill_and_round_trips(sparse, prompt):
+    model, path = sparse
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, min_new_tokens=12,
                          do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         logits = model(out.sequences).logits
     assert torch.equal(logits[:, prompt.shape[1] - 1:-1].argmax(-1), out.sequences[:, prompt.shape[1]:])
     torch.testing.assert_close(torch.stack(out.logits, 1), logits[:, prompt.shape[1] - 1:-1], atol=2e-3, rtol=1e-3)
-    model.save_pretrained(tmp_path)
-    assert json.load(open(tmp_path / "config.json"))["model_type"] == "nosa_gemma3_text"
-    loaded = nosa.from_pretrained(str(tmp_path)).eval()
+    assert json.load(open(path / "config.json"))["model_type"] == "nosa_gemma3_text"
+    loaded = nosa.from_pretrained(str(path)).eval()
     with torch.no_grad():
         assert torch.equal(loaded(prompt).logits, model(prompt).logits)
 
 
-def test_served_with_offloading_equals_the_hf_nosa_model(gemma_once, prompt, tmp_path):
+def test_served_with_offloading_equals_the_hf_nosa_model(sparse, prompt, tmp_path):
     """SGLang serves the NOSA checkpoint (heads on layers 5, 11, 17) with --attention-backend nosa and
     offloading: the host pool holds the three full layers, the fifteen sliding layers' windows stay on
     the device; the greedy tokens of the 700-token prompt equal the HF NOSA model's."""
@@ -92,23 +102,19 @@ def test_served_with_offloading_equals_the_hf_nosa_model(gemma_once, prompt, tmp
 
     if tiny.cpu_engine_missing():
         pytest.skip(tiny.cpu_engine_missing())
-    dense_model, tokenizer = gemma_once
-    model = nosa.convert(copy.deepcopy(dense_model), SPARSE)
-    set_eviction_heads(model, scale=0.5, std=0.3, seed=1)
-    model.save_pretrained(tmp_path / "nosa")
-    tokenizer.save_pretrained(tmp_path / "nosa")
+    model, path = sparse
     env = {"NOSA_OFFLOAD": "1", "NOSA_HOST_KV_TOKENS": "4096", "NOSA_DEVICE_KV_TOKENS": "1024",
            "NOSA_RECALL_SCHEDULER": "1", "NOSA_SERVE_STATS_FILE": str(tmp_path / "stats.json")}
     # a high static fraction: SGLang checks the weights (1.1 GB in fp32) against the memory free at
     # start-up, which the rest of the suite shares; the KV pool itself is the host pool's 4096 tokens
-    server = ServerProcess(str(tmp_path / "nosa"), [
+    server = ServerProcess(str(path), [
         "--attention-backend", "nosa", "--skip-server-warmup", "--sleep-on-idle", "--dtype", "float32",
         "--context-length", "2048", "--page-size", str(SPARSE.block_size), "--disable-radix-cache",
         "--chunked-prefill-size", "512", "--mem-fraction-static", "0.8"], str(tmp_path / "server.log"), env=env)
     try:
         server.wait_ready(timeout=600)
         ids = prompt[0].tolist()
-        want = tiny.hf_greedy(model.eval(), ids, 8)
+        want = tiny.hf_greedy(model, ids, 8)
         assert server.generate(ids, 8) == want
         log = server.log_tail(200_000)
         assert "15 sliding-window layers (window 512) on the device" in log

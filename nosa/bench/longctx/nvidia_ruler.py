@@ -195,11 +195,20 @@ class RulerSuite:
         self.data_dir = data_dir
 
     def examples(self, tokenizer, tokenizer_dir: str, length: int, count: int, seed: int) -> list[Example]:
+        from tqdm import tqdm  # optional: tqdm (the train extra)
+
         limit = length - chat_overhead(tokenizer) - 2  # the mark's tokens count in the generator's limit
         digest = _tokenizer_digest(tokenizer_dir)
         out = []
+        # a bar while RULER's generators write rows (each a fresh interpreter: seconds to minutes a
+        # task); rows written before are read back at once and show none
+        todo = [t for t in self.tasks if not os.path.isfile(os.path.join(
+            self.data_dir, digest, f"{length}-seed{seed}-n{count}", t, "validation.jsonl"))]
+        bar = tqdm(total=len(todo), desc=f"RULER rows at {length}", unit="task", dynamic_ncols=True,
+                   disable=not todo)
         for task in self.tasks:
             cfg, cut = self.configs[task], 0
+            bar.set_postfix_str(task, refresh=task in todo)
             for _ in range(3):
                 name = f"{length}-seed{seed}-n{count}" + (f"-cut{cut}" if cut else "")
                 where = os.path.join(self.data_dir, digest, name)
@@ -213,6 +222,8 @@ class RulerSuite:
                 raise RuntimeError(f"RULER's {cfg.name} rows still run {over} tokens over {length} "
                                    f"with the generator's limit cut by {cut}")
             out += rows
+            bar.update(task in todo)
+        bar.close()
         return out
 
     def score(self, reply: str, ex: Example) -> float:
