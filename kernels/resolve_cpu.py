@@ -3,34 +3,24 @@
 The torch code of nosa.serve.offload.block_cache.DeviceBlockCache.resolve_layer is the spec (it is
 what a GPU and a captured step run); this is the same step for a CPU server, where that code's ~190
 small ops per layer cost more in dispatch than the copy itself. The C++ file is compiled on first use
-with the system's C++ compiler (``$CXX``, else ``c++``; about a second) into
-``$NOSA_KERNEL_CACHE`` (default ``~/.cache/nosa/kernels``), named by the source's hash, and loaded
-with ctypes: no torch headers, no build step at install. Without a compiler the torch path runs and
-one warning says why. ``NOSA_KERNELS=reference`` (or ``triton``) keeps the torch path.
+and loaded with ctypes (nosa.kernels.cpu_build). Without a compiler the torch path runs and one
+warning says why. ``NOSA_KERNELS=reference`` (or ``triton``) keeps the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
 
 from nosa import env
+from nosa.kernels.cpu_build import CppLibrary
+from nosa.kernels.cpu_build import build as build_cpp
 from nosa.kernels.recall import check_dequant, check_indices
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("resolve_cpu.cpp")
-_LOCK = threading.Lock()
-_STATE: dict = {}  # "lib": the loaded library, or "error": why it could not be built
 
 
 class _Table(NamedTuple):  # the fields of nosa.serve.offload.resolve.PageTable
@@ -53,63 +43,34 @@ class Resolved(NamedTuple):
     empty: int
 
 
-def cache_dir() -> Path:
-    return env.path("NOSA_KERNEL_CACHE")
+def _declare(lib: ctypes.CDLL) -> None:
+    fn = lib.nosa_resolve_layer
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 6 + [ctypes.c_int64] \
+        + [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] \
+        + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 2
+    lib.nosa_write_tokens.restype = ctypes.c_int64
+    lib.nosa_write_tokens.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] \
+        + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    lib.nosa_copy_items.restype = ctypes.c_int64
+    lib.nosa_copy_items.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] \
+        + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    lib.nosa_copy_items_dequant.restype = ctypes.c_int64
+    lib.nosa_copy_items_dequant.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] \
+        + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+
+
+_LIBRARY = CppLibrary(SOURCE, _declare, "CPU resolve kernel")
 
 
 def build(force: bool = False) -> Path:
-    """Compile resolve_cpu.cpp (if its build for this source is not there yet, or ``force``); returns
-    the shared library's path. Raises RuntimeError with the compiler's output on failure."""
-    source = SOURCE.read_bytes()
-    out = cache_dir() / f"resolve_cpu-{hashlib.sha256(source).hexdigest()[:16]}.so"
-    if out.exists() and not force:
-        return out
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not compiler:
-        raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target, then rename: another process loading it never sees half a file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    """Compile resolve_cpu.cpp (nosa.kernels.cpu_build.build); returns the shared library's path."""
+    return build_cpp(SOURCE, force)
 
 
 def library():
     """The loaded kernel, or None (no compiler, or a failed build: warned once)."""
-    if "lib" in _STATE or "error" in _STATE:
-        return _STATE.get("lib")
-    with _LOCK:
-        if "lib" not in _STATE and "error" not in _STATE:
-            try:
-                lib = ctypes.CDLL(str(build()))
-                fn = lib.nosa_resolve_layer
-                fn.restype = ctypes.c_int64
-                fn.argtypes = [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 6 + [ctypes.c_int64] \
-                    + [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] \
-                    + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 2
-                lib.nosa_write_tokens.restype = ctypes.c_int64
-                lib.nosa_write_tokens.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] \
-                    + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
-                lib.nosa_copy_items.restype = ctypes.c_int64
-                lib.nosa_copy_items.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] \
-                    + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-                lib.nosa_copy_items_dequant.restype = ctypes.c_int64
-                lib.nosa_copy_items_dequant.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] \
-                    + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-                _STATE["lib"] = lib
-            except (OSError, RuntimeError) as exc:
-                _STATE["error"] = str(exc)
-                log.warning("nosa: the CPU resolve kernel is unavailable, the torch path runs instead: %s", exc)
-    return _STATE.get("lib")
+    return _LIBRARY.get()
 
 
 @torch.compiler.assume_constant_result
@@ -167,7 +128,7 @@ def resolve_layer(blocks: torch.Tensor, col_of: torch.Tensor, groups: torch.Tens
     (nosa.serve.offload.resolve.PageTable: req_to_token int32 [rows, max_ctx], rows [R])."""
     lib = library()
     if lib is None:
-        raise RuntimeError(f"nosa: the CPU resolve kernel is unavailable: {_STATE.get('error')}")
+        raise RuntimeError(f"nosa: the CPU resolve kernel is unavailable: {_LIBRARY.error}")
     r, hkv, w = wanted.shape
     ns, block = blocks.shape[-1], dev[0].shape[1]
     if w > ns:

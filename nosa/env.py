@@ -28,9 +28,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     # ---- kernels ----------------------------------------------------------------------------------
     EnvVar("NOSA_KERNELS", "auto",
            "Which implementation the NOSA ops run: `auto` (Triton kernels on CUDA tensors, the torch "
-           "reference elsewhere, and the C++ resolve kernel on a CPU server), `reference` (always the torch "
-           "reference) or `triton` (always the Triton kernels; CPU tensors need TRITON_INTERPRET=1, tests only).",
-           ("nosa/ops.py", "kernels/resolve_cpu.py"), ("auto", "reference", "triton")),
+           "reference elsewhere, and the C++ resolve and selection kernels in a CPU server's eager step), `reference` "
+           "(always the torch reference) or `triton` (always the Triton kernels; CPU tensors need "
+           "TRITON_INTERPRET=1, tests only).",
+           ("nosa/ops.py", "kernels/resolve_cpu.py", "kernels/select_cpu.py"), ("auto", "reference", "triton")),
     EnvVar("NOSA_DECODE_IMPL", "triton",
            "The slot decode kernel where kernels run: `triton` or `flashinfer` (FlashInfer's paged decode with a "
            "NOSA JIT variant; CUDA and bf16/fp16 only). NOSA_KERNELS=reference still forces the reference.",
@@ -40,9 +41,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "on the host, a synchronisation per call on CUDA that a captured step cannot make.",
            ("kernels/recall.py",)),
     EnvVar("NOSA_KERNEL_CACHE", "~/.cache/nosa/kernels",
-           "Where the CPU resolve kernel (kernels/resolve_cpu.cpp) is compiled to on first use, one shared "
-           "library per source hash.",
-           ("kernels/resolve_cpu.py",)),
+           "Where the CPU kernels (kernels/resolve_cpu.cpp, kernels/select_cpu.cpp) are compiled to on first "
+           "use, one shared library per source hash.",
+           ("kernels/cpu_build.py",)),
     # ---- serving ------------------------------------------------------------------------------------
     EnvVar("NOSA_CONFIG", None,
            "The NosaConfig the SGLang backend uses for a dense checkpoint (one without a `nosa` section): JSON "

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from nosa import env
-from nosa.kernels import flashinfer_decode, recall, resolve_cpu, sparse_decode, sparse_prefill
+from nosa import env, select
+from nosa.kernels import flashinfer_decode, recall, resolve_cpu, select_cpu, sparse_decode, sparse_prefill
 from nosa.kernels import slot_decode as slot_kernel
 from nosa.kvquant import QuantizedItems
 
@@ -139,6 +139,17 @@ def _(dst, data, scale, dst_idx, src_idx) -> None:
 
 
 # ---- decode ---------------------------------------------------------------------------------------
+def select_blocks(query_scores: torch.Tensor, evict_scores: torch.Tensor, positions: torch.Tensor, cfg,
+                  branch_free: bool = False) -> torch.Tensor:
+    """nosa.select.select_blocks (the spec; same arguments and result) for a serving decode step: the
+    C++ kernel on CPU tensors in an eager step (nosa.kernels.select_cpu: the same blocks, without a
+    hundred small ops over every block of the context), else the torch code (on CUDA, and in a step
+    torch.compile traces)."""
+    if select_cpu.wanted_here(query_scores, evict_scores, positions):
+        return select_cpu.select_blocks(query_scores, evict_scores, positions, cfg)
+    return select.select_blocks(query_scores, evict_scores, positions, cfg, branch_free)
+
+
 def slot_decode(q, k_dev, v_dev, cis_dev, slots, fill, scale: float, num_splits: int | None = None):
     """Decode attention over the device block cache: q [R, Hq, D], k_dev/v_dev [S, B, D], cis_dev
     [S, B] fp32, slots [R, Hkv, NS] int64 (-1 unused), fill [R, Hkv, NS] int32 -> (out [R, Hq, Dv],

@@ -25,7 +25,7 @@ from nosa.config import NosaConfig
 from nosa.decode import NosaDecodeState
 from nosa.kv import KVView
 from nosa.layout import NEG_INF
-from nosa.select import block_scores_from_logits, select_blocks
+from nosa.select import block_scores_from_logits
 
 logger = logging.getLogger(__name__)
 
@@ -293,7 +293,9 @@ def _select_pages(cfg: NosaConfig, table: torch.Tensor, ck: torch.Tensor, static
     static = static.view(-1, hkv * 2).index_select(0, pages[:, :blocks].flatten())
     static = static.view(r, blocks, hkv, 2).transpose(1, 2)  # [R, Hkv, NB, 2]
     static = torch.where(exists[:, None, :, None], static, NEG_INF)
-    return select_blocks(query, static, lengths - 1, cfg, branch_free=True)
+    from nosa import ops  # optional: import nosa loads no kernel code (nosa.ops imports kernels/)
+
+    return ops.select_blocks(query, static, lengths - 1, cfg, branch_free=True)  # C++ on a CPU's eager step
 
 
 def pages_for(cfg: NosaConfig, token_capacity: int, num_rows: int) -> int:
