@@ -1,6 +1,7 @@
 """The decode step with offloading on vs off (where the gap is), and this machine's drift, without SGLang.
 
     .venv/bin/python scripts/bench_resolve.py [--quick] [--shapes tiny smollm2] [--out results/resolve.json]
+    .venv/bin/python scripts/bench_resolve.py --parts select --contexts 4096 65536 --out results/select_kernel.json
 
 Runs nosa.bench.decode_harness (the backend's decode step over SGLang-like pools: select ->
 resolve -> attend per layer, no model around it) in one process, one torch thread, inference mode:
@@ -15,6 +16,11 @@ resolve -> attend per layer, no model around it) in one process, one torch threa
   SGLang's CPU graph runner compiles) under ``torch.compile(fullgraph=True, dynamic=False)``, in
   alternating rounds as ``resolve``; the host half (``begin``: the step's metadata, the block cache's
   stale drops) is timed apart. Compiling takes minutes at the smollm2 shape.
+- ``select``: bench_serve's tiny Llama (2 layers, 8/2 heads of 32, batch 4, the released
+  NosaConfig, A = 0), offloading off, at each of ``--contexts``: the eager step with the CPU
+  selection kernel (nosa.kernels.select_cpu) and with the torch selection it replaces, in alternating
+  rounds; per context and variant the step's and the selection's CPU ms, and the longest context's
+  step over the shortest's per variant (how flat the step is in context).
 - ``drift``: the "off" step timed in ``--chunks`` consecutive chunks of ``--steps`` steps inside one
   process, the same work each time: how much this machine's speed moves over seconds.
 
@@ -37,8 +43,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", default=["resolve", "drift"], choices=["resolve", "compiled", "drift"])
-    ap.add_argument("--shapes", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
+    ap.add_argument("--parts", nargs="+", default=["resolve", "drift"],
+                    choices=["resolve", "compiled", "select", "drift"])
+    ap.add_argument("--shapes", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"],
+                    help="the shapes of resolve, compiled and drift")
+    ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 65536],
+                    help="select: prompt tokens per request")
     ap.add_argument("--rounds", type=int, default=8, help="resolve: rounds of off and on")
     ap.add_argument("--chunks", type=int, default=24, help="drift: consecutive chunks timed")
     ap.add_argument("--steps", type=int, default=None,
@@ -50,6 +60,8 @@ def main() -> None:
         args.rounds, args.chunks = 3, 8
     if args.rounds < 1 or args.chunks < 2:
         ap.error("--rounds must be at least 1 and --chunks at least 2")
+    if any(c < 1 for c in args.contexts):
+        ap.error("--contexts must be positive token counts")
     run(args)
 
 

@@ -5,6 +5,8 @@ the serving decode step, which picks it, selects what the torch code selects."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -116,3 +118,20 @@ def test_the_build_is_named_by_the_source_and_reports_a_missing_compiler(monkeyp
     monkeypatch.delenv("CXX")
     path = cpu_build.build(select_cpu.SOURCE)
     assert path.parent == tmp_path and path.name.startswith("select_cpu-") and path.exists()
+
+
+def test_the_benchmark_times_both_selections_and_restores_the_environment(monkeypatch):
+    """scripts/bench_resolve.py --parts select, shortened: each context with the kernel and with the
+    torch selection, the selection's share inside the step, NOSA_KERNELS as it was."""
+    from nosa import state_pool
+    from nosa.bench.resolve_speed import bench_select
+
+    monkeypatch.setenv("NOSA_KERNELS", "auto")
+    with torch.inference_mode():
+        report = bench_select([4200, 4600], rounds=2, steps=2)  # past dense_len 4096: selected
+    assert [(r["context"], r["variant"]) for r in report["rows"]] == [
+        (4200, "kernel"), (4200, "torch"), (4600, "kernel"), (4600, "torch")]
+    assert all(0 < r["select_ms_per_step"] < r["cpu_ms_per_step"] for r in report["rows"])
+    assert set(report["longest_over_shortest"]) == {"kernel", "torch"}
+    assert len(report["longest_over_shortest_by_round"]["kernel"]) == 2
+    assert state_pool.StatePool.select.__name__ == "select" and os.environ["NOSA_KERNELS"] == "auto"

@@ -1,6 +1,7 @@
-"""The decode step with offloading on vs off, and this machine's drift, without SGLang
-(scripts/bench_resolve.py): the decode harness of each shape timed in CPU time, the resolve apart,
-in alternating rounds (eager or compiled), and one variant in consecutive chunks."""
+"""The decode step with offloading on vs off, with the CPU selection kernel or the torch selection, and
+this machine's drift, without SGLang (scripts/bench_resolve.py): the decode harness of each shape
+timed in CPU time, the resolve (or the selection) apart, in alternating rounds (eager or compiled),
+and one variant in consecutive chunks."""
 
 from __future__ import annotations
 
@@ -97,6 +98,68 @@ def bench_resolve(name: str, rounds: int, steps: int, compiled: bool = False) ->
             "ratios_by_round": {k: [round(x, 3) for x in v] for k, v in paired.items()}}
 
 
+SELECT_SHAPE = {"num_layers": 2, "hq": 8, "hkv": 2, "head_dim": 32}  # bench_serve's tiny Llama, batch 4
+
+
+def bench_select(contexts: list[int], rounds: int, steps: int) -> dict:
+    """The eager decode step (offloading off, A = 0, the released NosaConfig) at each context with the
+    CPU selection kernel (nosa.kernels.select_cpu) and with the torch selection it replaces
+    (``NOSA_KERNELS=reference``, which changes nothing else with offloading off), in alternating
+    rounds: the step's CPU ms and the selection's (``StatePool.select``) per context and variant."""
+    import os
+
+    from nosa import state_pool
+
+    cfg, kinds = NosaConfig(), {"kernel": "auto", "torch": "reference"}
+    spent = {"select": 0.0}
+    inner = state_pool.StatePool.select
+
+    def timed(self, *args, **kw):
+        start = time.process_time()
+        try:
+            return inner(self, *args, **kw)
+        finally:
+            spent["select"] += time.process_time() - start
+
+    runners = {}
+    for context in contexts:
+        for kind in kinds:
+            r = runners[(context, kind)] = Runner(cfg, SELECT_SHAPE, [context] * 4, False, (rounds + 1) * steps + 8)
+            with torch.no_grad():
+                for head in r.h.heads:
+                    head.scale.zero_()  # A = 0: the query ranks every block, as bench_serve's default
+    per = {key: [] for key in runners}
+    before = os.environ.get("NOSA_KERNELS")
+    state_pool.StatePool.select = timed
+    try:
+        for k in range(rounds + 1):  # round 0 warms up
+            keys = list(runners) if k % 2 == 0 else list(runners)[::-1]
+            for key in keys:
+                os.environ["NOSA_KERNELS"] = kinds[key[1]]
+                spent["select"] = 0.0
+                ms = runners[key].run(steps)[0]
+                if k:
+                    per[key].append((ms, 1e3 * spent["select"] / steps))
+            if k:
+                print(json.dumps({"part": "select", "round": k, **{f"{c} {kind}": round(per[(c, kind)][-1][0], 3)
+                                                                   for c, kind in runners}}), flush=True)
+    finally:
+        state_pool.StatePool.select = inner
+        if before is None:
+            os.environ.pop("NOSA_KERNELS", None)
+        else:
+            os.environ["NOSA_KERNELS"] = before
+    rows = [{"context": c, "variant": kind,
+             "cpu_ms_per_step": round(statistics.median(x[0] for x in per[(c, kind)]), 3),
+             "select_ms_per_step": round(statistics.median(x[1] for x in per[(c, kind)]), 3)} for c, kind in per]
+    longest, shortest = max(contexts), min(contexts)
+    flat = {kind: [b[0] / a[0] for a, b in zip(per[(shortest, kind)], per[(longest, kind)])] for kind in kinds}
+    return {"nosa_config": cfg.to_dict(), "harness": {**SELECT_SHAPE, "batch": 4, "evict_scale": 0.0},
+            "contexts": contexts, "rounds": rounds, "steps_per_round": steps, "rows": rows,
+            "longest_over_shortest": {kind: round(statistics.median(v), 3) for kind, v in flat.items()},
+            "longest_over_shortest_by_round": {kind: [round(x, 3) for x in v] for kind, v in flat.items()}}
+
+
 def bench_drift(name: str, chunks: int, steps: int) -> dict:
     cfg, kwargs, lengths = shape(name)
     runner = Runner(cfg, kwargs, lengths, False, (chunks + 1) * steps + 8)
@@ -113,6 +176,9 @@ def run(args) -> None:
     torch.set_num_threads(1)
     report = {"threads": 1, "resolve": [], "compiled": [], "drift": []}
     with torch.inference_mode():
+        if "select" in args.parts:
+            report["select"] = bench_select(args.contexts, args.rounds, args.steps or 20)
+            print(json.dumps({"select": report["select"]["longest_over_shortest"]}))
         for name in args.shapes:
             steps = args.steps or (40 if name == "tiny" else 8)
             if "resolve" in args.parts:
