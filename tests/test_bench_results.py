@@ -163,3 +163,20 @@ def test_the_suite_timer_measures_how_busy_the_cores_were():
     if now is not None:  # Linux
         busy, total = now
         assert 0 < busy < total
+
+
+def test_a_module_run_with_dash_m_is_written_as_one(tmp_path, monkeypatch):
+    """``python -m nosa.plan`` records itself so, not as nosa/plan.py (which, run as a script, puts
+    nosa/ first on the path, where nosa/select.py hides the standard library's select)."""
+    import sys
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="nosa.plan")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", [os.path.join(REPO, "nosa", "plan.py"), "--calibrate-cpu", "results/serve.json"])
+    assert results.provenance()["command"] == "python -m nosa.plan --calibrate-cpu results/serve.json"
+    main.__spec__ = types.SimpleNamespace(name="nosa.train.__main__")  # python -m nosa.train
+    assert results.provenance()["command"] == "python -m nosa.train --calibrate-cpu results/serve.json"
+    main.__spec__ = None  # a script
+    assert results.provenance()["command"] == "python nosa/plan.py --calibrate-cpu results/serve.json"

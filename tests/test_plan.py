@@ -1,5 +1,5 @@
-"""nosa.plan: the formulas on figures that can be checked by hand, the CLI, and the calibration
-against the H200's measurements (results/gpu_h200.json)."""
+"""nosa.plan: the formulas on figures that can be checked by hand, the CLI, and (nosa.plan_checks) the
+calibration against the H200's measurements (results/gpu_h200.json) and the CPU runs."""
 
 import json
 import os
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nosa import NosaConfig, kvquant
-from nosa.plan import GPUS, LINKS, MODELS, against_gpu, calibration, main, model_from_config, nosa_config_for, plan
+from nosa.plan import GPUS, LINKS, MODELS, main, model_from_config, nosa_config_for, plan
+from nosa.plan_checks import against_gpu, calibration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_RESULTS = os.path.join(ROOT, "results", "gpu_h200.json")
@@ -106,7 +107,7 @@ def test_hit_rate_from_a_serve_stats_file(tmp_path, capsys):
 
 
 def test_published_points_are_modelled_with_their_assumptions_named():
-    from nosa.plan import published_points
+    from nosa.plan_checks import published_points
 
     rows = published_points()
     assert len(rows) >= 3
@@ -116,7 +117,7 @@ def test_published_points_are_modelled_with_their_assumptions_named():
 
 
 def test_against_cpu_predicts_the_growth_from_the_shortest_context():
-    from nosa.plan import against_cpu
+    from nosa.plan_checks import against_cpu
 
     cfg = NosaConfig(block_size=64, compress_kernel=32, compress_stride=16, sink_blocks=1, window_blocks=16,
                      topk_blocks=64, query_blocks=16, dense_len=4096)
@@ -131,7 +132,7 @@ def test_against_cpu_predicts_the_growth_from_the_shortest_context():
 
 
 def test_onoff_against_the_served_smollm2_run():
-    from nosa.plan import onoff_against_cpu
+    from nosa.plan_checks import onoff_against_cpu
 
     path = os.path.join(ROOT, "results", "serve_smollm2_8k_rank_short.json")
     with open(path) as f:

@@ -173,7 +173,7 @@ def gpu_recall(root: Path) -> str:
 @renders(GPU)
 def plan_calibration(root: Path) -> str:
     """nosa.plan's formulas against the H200's measurements."""
-    from nosa.plan import against_gpu  # cycle: none; nosa.plan imports torch, which this module does not need
+    from nosa.plan_checks import against_gpu  # optional: torch (nosa.plan_checks imports it; this module does not)
 
     rows = [[r["what"], f"{r['predicted_s'] * 1e3:.3f}", f"{r['measured_s'] * 1e3:.3f}",
              f"{r['predicted_over_measured']:.2f}"] for r in against_gpu(load(root, GPU))]

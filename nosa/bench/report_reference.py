@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from nosa import env, kvquant, plan
+from nosa import env, kvquant, plan, plan_checks
 from nosa.bench.report_tables import table
 from nosa.config import NosaConfig
 from nosa.train.config import TrainConfig
@@ -202,9 +202,9 @@ def plan_published(root: Path) -> str:
              " / ".join(f"{m} {r['batches'][m]}" for m in r["batches"]),
              " / ".join(f"{v:,.0f}" for v in r["predicted_tokens_per_s"].values()),
              f"{r['published_ratio']:.2f}x", f"{r['predicted_ratio']:.2f}x", r["assumed"]]
-            for r in plan.published_points()]
+            for r in plan_checks.published_points()]
     lines = [table(["system", "published", "setup modelled", "largest batch", "predicted tokens/s",
                     "published ratio", "predicted ratio", "assumed"], rows), "",
              "Not reproduced:"]
-    lines += [f"- {what}: {why}." for what, why in plan.NOT_REPRODUCED]
+    lines += [f"- {what}: {why}." for what, why in plan_checks.NOT_REPRODUCED]
     return "\n".join(lines)

@@ -281,3 +281,21 @@ def serve_host_kv(root: Path) -> str:
                    "KB recalled per layer and decode step"], rows)
             + f"\n\n{data['model']}, {int(context) // 1024}K tokens, batch {data['results'][0]['batch']}; "
             "offloading with the recall scheduler, against nosa with offloading off, paired rounds.")
+
+
+@renders("results/select_kernel.json")
+def select_kernel(root: Path) -> str:
+    data = load(root, "results/select_kernel.json")["select"]
+    rows = {(r["context"], r["variant"]): r for r in data["rows"]}
+    out = [[f"{c // 1024}K"] + [rows[(c, v)][k] for k in ("cpu_ms_per_step", "select_ms_per_step")
+                                for v in ("torch", "kernel")] for c in data["contexts"]]
+    flat, by_round = data["longest_over_shortest"], data["longest_over_shortest_by_round"]
+    h = data["harness"]
+    return (table(["context", "step, torch selection (CPU ms)", "step, C++ selection", "selection alone, torch",
+                   "selection alone, C++"], out)
+            + f"\n\nLongest context's step over the shortest's, median of {data['rounds']} rounds: torch selection "
+            f"{times(flat['torch'])} ({', '.join(times(x) for x in by_round['torch'])}), C++ selection "
+            f"{times(flat['kernel'])} ({', '.join(times(x) for x in by_round['kernel'])}). The decode harness "
+            f"(the backend's step without SGLang): {h['num_layers']} layers, {h['hq']}/{h['hkv']} heads of "
+            f"{h['head_dim']}, batch {h['batch']}, offloading off, A = 0, the released NosaConfig; the "
+            "selection column is `StatePool.select` (compressed-key gather, scores, selection).")

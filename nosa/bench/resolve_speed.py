@@ -6,11 +6,13 @@ and one variant in consecutive chunks."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
 import torch
 
+from nosa import state_pool
 from nosa.bench.decode_harness import DecodeHarness
 from nosa.bench.longctx.config import budget_config
 from nosa.bench.results import write_result
@@ -106,10 +108,6 @@ def bench_select(contexts: list[int], rounds: int, steps: int) -> dict:
     CPU selection kernel (nosa.kernels.select_cpu) and with the torch selection it replaces
     (``NOSA_KERNELS=reference``, which changes nothing else with offloading off), in alternating
     rounds: the step's CPU ms and the selection's (``StatePool.select``) per context and variant."""
-    import os
-
-    from nosa import state_pool
-
     cfg, kinds = NosaConfig(), {"kernel": "auto", "torch": "reference"}
     spent = {"select": 0.0}
     inner = state_pool.StatePool.select

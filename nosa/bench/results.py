@@ -21,13 +21,17 @@ from nosa.bench import REPO
 def provenance(argv: list[str] | None = None) -> dict:
     """``{"command", "commit", "dirty", "machine", "date"}`` for a result made now by ``argv`` (the
     command line as typed, program first; default ``sys.argv``): ``command`` reads
-    ``python scripts/bench_x.py --quick`` (a program inside the checkout relative to it);
+    ``python scripts/bench_x.py --quick`` (a program inside the checkout relative to it), or
+    ``python -m nosa.plan ...`` for a module run with ``-m`` (its file path would not run as a script);
     ``commit`` and ``dirty`` (tracked files changed since the commit) are None where git or the
     repository is missing. The commit is the one the run started from (``STARTED``, read when this
     module was first imported): where commits came during a long run, the one at writing goes to
     ``written_at``, so a result never claims code it did not run."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if argv is None and spec is not None and spec.name:  # python -m nosa.plan: so it reads, and reruns
+        argv = ["-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
     argv = list(sys.argv if argv is None else argv)
-    program = os.path.abspath(argv[0]) if argv else ""
+    program = os.path.abspath(argv[0]) if argv and argv[0] != "-m" else ""
     if program.startswith(REPO + os.sep):  # scripts/x.py, however the path to it was typed
         argv[0] = os.path.relpath(program, REPO)
     now = git_state()
