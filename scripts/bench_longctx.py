@@ -65,7 +65,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")  # before transformers is imported (it reads them then)
 
 from nosa.bench.longctx.config import PICKS, budget_config, picks_share  # noqa: E402
-from nosa.bench.longctx.merge import drop_variants, merge  # noqa: E402
+from nosa.bench.longctx.merge import drop_variants, keep_lengths, merge  # noqa: E402
 from nosa.bench.longctx.run import run  # noqa: E402
 from nosa.bench.longctx.suites import SEEDS, SUITES, task_names  # noqa: E402
 from nosa.bench.longctx.summary import write_report  # noqa: E402
@@ -121,7 +121,11 @@ def main(argv=None) -> int:
                              "--seed each (their examples pooled)")
     parser.add_argument("--drop", nargs="+", metavar="TEXT",
                         help="with --merge: leave out the variants whose name contains TEXT (e.g. an earlier "
-                             "checkpoint's, when a new one is added)")
+                             "checkpoint's, when a new one is added), from each report before they are joined "
+                             "and from the joined one")
+    parser.add_argument("--keep-lengths", type=int, nargs="+", metavar="N",
+                        help="with --merge: only these lengths of each report (e.g. to pool one length of a "
+                             "joined report with another --seed's run of it)")
     args = parser.parse_args(argv)
     known = task_names(args.suite)
     wrong = [t for t in args.tasks or [] if t not in known]
@@ -139,9 +143,12 @@ def main(argv=None) -> int:
                     reports.append(json.load(f))
             except (OSError, ValueError) as e:
                 raise SystemExit(f"bench_longctx --merge: cannot read the report {path!r}: {e}") from None
+        if args.keep_lengths:
+            reports = [keep_lengths(r, args.keep_lengths) for r in reports]
+        reports = [drop_variants(r, args.drop or []) for r in reports]
         return write_report(drop_variants(merge(reports), args.drop or []), args.out, args.plot)
-    if args.drop:
-        parser.error("--drop works with --merge (it leaves variants out of the joined report)")
+    if args.drop or args.keep_lengths:
+        parser.error("--drop and --keep-lengths work with --merge (they shape the reports it joins)")
     if not args.a0 and not args.nosa and not args.dense_ckpt:
         parser.error("--no-a0 without --nosa or --dense-ckpt leaves only dense to run")
     for spec in args.dense_ckpt:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nosa.bench.longctx.summary import compare
 from nosa.bench.report_tables import load, pct, renders, table
 
 RULER = "results/ruler.json"
@@ -114,6 +115,27 @@ def ruler_gemma3_32k(root: Path) -> str:
     """The documented 32K subset of Gemma 3 270M (three needle tasks, one example each): its summary
     and its per-task scores."""
     return ruler_summary(root, RULER_GEMMA_32K) + "\n\n" + ruler_tasks(root, RULER_GEMMA_32K)
+
+
+RULER_GEMMA_8K = "results/ruler_gemma3_8k.json"
+
+
+@renders(RULER_GEMMA_8K)
+def ruler_gemma3_8k(root: Path) -> str:
+    """Gemma 3 270M at 8K on the examples of two seeds pooled (four per task): dense, A = 0 and the
+    heads fitted at 8K, their summary and the examples where two differ."""
+    data = load(root, RULER_GEMMA_8K)
+    rows = []
+    for seed in data["seed"]:  # each seed's examples alone: how far one run's examples move the difference
+        part = dict(data, examples=[e for e in data["examples"] if e["seed"] == seed])
+        for p in compare(part):
+            if p["vs"] == "dense":
+                rows.append([seed, p["variant"], f"{p['points']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}]",
+                             f"{p['better']} / {p['worse']} of {p['n']}"])
+    per_seed = table(["examples of seed", "variant", "vs dense, points [paired 95%]", "examples better / worse"],
+                     rows)
+    return (ruler_summary(root, RULER_GEMMA_8K) + "\n\nThe same comparison on each seed's examples alone:\n\n"
+            + per_seed + "\n\n" + ruler_differ(root, RULER_GEMMA_8K))
 
 
 PROBE_GEMMA = "results/probe_ranking_gemma3.json"

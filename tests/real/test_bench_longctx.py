@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nosa.bench.longctx import config as suite_config
-from nosa.bench.longctx.merge import drop_variants, merge
+from nosa.bench.longctx.merge import drop_variants, keep_lengths, merge
 from nosa.bench.longctx.summary import share as right_share
 from nosa.bench.longctx.summary import targets, wilson
 
@@ -192,13 +192,56 @@ def test_merge_pools_the_examples_of_other_seeds():
                drop_variants(_seeded(43, {"dense": (1, 0), "A = 0, 1/4": (1, 1)}, (0, 2)), ["A = 0"])])
 
 
+def test_one_length_of_a_joined_report_pools_with_another_seeds_run():
+    """--keep-lengths and --drop shape each report before the pooling: the 8K part of a report of
+    8K and 16K with more variants (other budgets, other picks), pooled with another seed's 8K run of
+    dense and A = 0 alone; the budgets and picks no variant runs any more go with their variants."""
+    def at(length, seed, rights):
+        report = _run(list(rights), rights, digests=(f"{seed}a{length}", f"{seed}b{length}"))
+        for ex in report["examples"]:
+            ex["length"] = length
+            for v in ex["select"]:
+                ex["select"][v] = {"entering": 1, "transitions": 1, "selected": 16, "mass": 0.5, "layers": 1,
+                                   "entering_max": 1}
+        report["results"] = []
+        for v in rights:
+            share = None if v == "dense" else int(v.split("1/")[1][0])
+            cfg = None if share is None else suite_config.budget_config(length, share).to_dict()
+            report["results"].append({"variant": v, "length": length, "share": share, "nosa_config": cfg,
+                                      "seconds": 1.0})
+        shares = sorted({r["share"] for r in report["results"] if r["share"]})
+        picks = ["1/16"] + (["15/64"] if any("picks" in v for v in rights) else [])
+        return dict(report, seed=seed, lengths=[length], examples_per_task={str(length): 2}, shares=shares,
+                    picks=picks, context_prefill_seconds={str(length): 1.0})
+
+    names = ["dense", "A = 0, 1/4", "A = 0, 1/8", "fitted, 1/4, picks 15/64"]
+    wide = merge([at(8192, 42, {v: (1, 0) for v in names}), at(16384, 42, {v: (0, 1) for v in names})])
+    assert (wide["lengths"], wide["shares"], wide["picks"]) == ([8192, 16384], [4, 8], ["1/16", "15/64"])
+    eight = keep_lengths(wide, [8192])
+    assert eight["lengths"] == [8192] and {ex["length"] for ex in eight["examples"]} == {8192}
+    assert {r["length"] for r in eight["results"]} == {8192} and eight["examples_per_task"] == {"8192": 2}
+    assert {p["length"] for p in eight["paired"]} == {8192}
+    trimmed = drop_variants(eight, ["1/8", "picks"])
+    assert (trimmed["shares"], trimmed["picks"]) == ([4], ["1/16"])
+    assert [r["variant"] for r in trimmed["results"]] == ["dense", "A = 0, 1/4"]
+    other = at(8192, 43, {"dense": (0, 0), "A = 0, 1/4": (1, 1)})
+    with pytest.raises(SystemExit, match="same variants"):  # the other variants not dropped
+        merge([eight, other])
+    pooled = merge([trimmed, other])
+    assert pooled["seed"] == [42, 43] and pooled["examples_per_task"] == {"8192": 4}
+    rows = {r["variant"]: r["all"]["right"] for r in pooled["results"]}
+    assert rows == {"dense": 1, "A = 0, 1/4": 3}
+    with pytest.raises(SystemExit, match="none of the lengths"):
+        keep_lengths(wide, [4096])
+
+
 def test_no_a0_needs_a_checkpoint_and_drop_needs_merge(run_script, capsys):
     with pytest.raises(SystemExit):
         run_script("bench_longctx.py", "--no-a0")
     assert "leaves only dense" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         run_script("bench_longctx.py", "--drop", "x")
-    assert "--drop works with --merge" in capsys.readouterr().err
+    assert "--drop and --keep-lengths work with --merge" in capsys.readouterr().err
 
 
 def test_dense_ckpt_needs_a_label_of_its_own(run_script, capsys):

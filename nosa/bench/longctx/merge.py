@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from nosa.bench.longctx.config import PICKS
 from nosa.bench.longctx.summary import compare, result_row
 
 
@@ -37,6 +38,9 @@ def merge(reports: list[dict]) -> dict:
     same = ("suite", "model", "prefill", "tasks") + (("shares", "picks") if pool else ("seed",) if by_variants
                                                      else ("seed", "picks"))
     for r in reports[1:]:
+        if pool and _variants(r) != _variants(first):  # before their budgets: the variants say more
+            raise SystemExit(f"bench_longctx --merge: reports of other seeds must run the same variants: "
+                             f"{_variants(first)} vs {_variants(r)}")
         for key in same:
             if r.get(key) != first.get(key):
                 raise SystemExit(f"bench_longctx --merge: the reports differ in {key!r}: "
@@ -67,9 +71,32 @@ def drop_variants(report: dict, texts: list[str]) -> dict:
         return report
     out = dict(report)
     out["results"] = [r for r in report["results"] if not gone(r["variant"])]
+    if report.get("shares"):  # the budgets and picks some variant still runs at
+        out["shares"] = [s for s in report["shares"] if any(r.get("share") == s for r in out["results"])]
+    if report.get("picks"):  # other picks than the default are in the variants' names
+        plain = any(r.get("share") and "picks " not in r["variant"] for r in out["results"])
+        out["picks"] = [p for p in report["picks"] if any(f"picks {p}" in r["variant"] for r in out["results"])
+                        or (plain and p == str(PICKS))]
     out["perplexity"] = [p for p in report["perplexity"] if not gone(p["variant"])]
     out["examples"] = [dict(ex, **{key: {v: x for v, x in ex[key].items() if not gone(v)}
                                    for key in ("reply", "right", "select")}) for ex in report["examples"]]
+    out["paired"] = compare(out)
+    return out
+
+
+def keep_lengths(report: dict, lengths: list[int]) -> dict:
+    """The report at ``lengths`` only (e.g. one length of a joined report, to pool with another
+    seed's run of that length); SystemExit when it has none of them."""
+    keep = [n for n in report["lengths"] if n in lengths]
+    if not keep:
+        raise SystemExit(f"bench_longctx --merge: the report has none of the lengths {lengths} "
+                         f"(it has {report['lengths']})")
+    out = dict(report, lengths=keep)
+    out["results"] = [r for r in report["results"] if r["length"] in keep]
+    out["examples"] = [ex for ex in report["examples"] if ex["length"] in keep]
+    out["perplexity"] = [p for p in report["perplexity"] if p["length"] in keep]
+    for key in ("examples_per_task", "context_prefill_seconds"):
+        out[key] = {k: v for k, v in report.get(key, {}).items() if int(k) in keep}
     out["paired"] = compare(out)
     return out
 
@@ -154,12 +181,7 @@ def _pool_examples(reports: list[dict]) -> dict:
     and paired comparisons computed again from the examples. Each example keeps its seed; its index
     counts on from the earlier reports' examples of its task. Perplexity (held-out windows, the same
     for every seed): the first report's."""
-    first = reports[0]
-    names = _variants(first)
-    for r in reports[1:]:
-        if _variants(r) != names:
-            raise SystemExit(f"bench_longctx --merge: reports of other seeds must run the same variants: {names} vs "
-                             f"{_variants(r)}")
+    first = reports[0]  # merge checked that they run the same variants
     examples, offset = [], Counter()
     for r in reports:
         counts = Counter()
