@@ -16,11 +16,12 @@ resolve -> attend per layer, no model around it) in one process, one torch threa
   SGLang's CPU graph runner compiles) under ``torch.compile(fullgraph=True, dynamic=False)``, in
   alternating rounds as ``resolve``; the host half (``begin``: the step's metadata, the block cache's
   stale drops) is timed apart. Compiling takes minutes at the smollm2 shape.
-- ``select``: bench_serve's tiny Llama (2 layers, 8/2 heads of 32, batch 4, the released
-  NosaConfig, A = 0), offloading off, at each of ``--contexts``: the eager step with the CPU
-  selection kernel (nosa.kernels.select_cpu) and with the torch selection it replaces, in alternating
-  rounds; per context and variant the step's and the selection's CPU ms, and the longest context's
-  step over the shortest's per variant (how flat the step is in context).
+- ``select``: the eager step with the CPU selection kernel (nosa.kernels.select_cpu) and with the
+  torch selection it replaces, offloading off, in alternating rounds: bench_serve's tiny Llama (2
+  layers, 8/2 heads of 32, batch 4, the released NosaConfig, A = 0) at each of ``--contexts``, and
+  SmolLM2-135M's attention at the suite's 8K budget (30 layers, one request); per case and variant
+  the step's and the selection's CPU ms, and the tiny Llama's longest context's step over its
+  shortest's per variant (how flat the step is in context).
 - ``drift``: the "off" step timed in ``--chunks`` consecutive chunks of ``--steps`` steps inside one
   process, the same work each time: how much this machine's speed moves over seconds.
 

@@ -286,16 +286,18 @@ def serve_host_kv(root: Path) -> str:
 @renders("results/select_kernel.json")
 def select_kernel(root: Path) -> str:
     data = load(root, "results/select_kernel.json")["select"]
-    rows = {(r["context"], r["variant"]): r for r in data["rows"]}
-    out = [[f"{c // 1024}K"] + [rows[(c, v)][k] for k in ("cpu_ms_per_step", "select_ms_per_step")
-                                for v in ("torch", "kernel")] for c in data["contexts"]]
+    rows = {(r["case"], r["variant"]): r for r in data["rows"]}
+    out = [[case, f"{rows[(case, 'torch')]['layers']} x batch {rows[(case, 'torch')]['batch']}"]
+           + [rows[(case, v)][k] for k in ("cpu_ms_per_step", "select_ms_per_step") for v in ("torch", "kernel")]
+           + [times(rows[(case, "torch")]["cpu_ms_per_step"] / rows[(case, "kernel")]["cpu_ms_per_step"])]
+           for case in data["cases"]]
     flat, by_round = data["longest_over_shortest"], data["longest_over_shortest_by_round"]
-    h = data["harness"]
-    return (table(["context", "step, torch selection (CPU ms)", "step, C++ selection", "selection alone, torch",
-                   "selection alone, C++"], out)
-            + f"\n\nLongest context's step over the shortest's, median of {data['rounds']} rounds: torch selection "
-            f"{times(flat['torch'])} ({', '.join(times(x) for x in by_round['torch'])}), C++ selection "
-            f"{times(flat['kernel'])} ({', '.join(times(x) for x in by_round['kernel'])}). The decode harness "
-            f"(the backend's step without SGLang): {h['num_layers']} layers, {h['hq']}/{h['hkv']} heads of "
-            f"{h['head_dim']}, batch {h['batch']}, offloading off, A = 0, the released NosaConfig; the "
-            "selection column is `StatePool.select` (compressed-key gather, scores, selection).")
+    return (table(["harness, context", "layers x requests", "step, torch selection (CPU ms)", "step, C++ selection",
+                   "selection alone, torch", "selection alone, C++", "step speed-up"], out)
+            + f"\n\nThe tiny Llama's longest context's step over its shortest's, median of {data['rounds']} rounds: "
+            f"torch selection {times(flat['torch'])} ({', '.join(times(x) for x in by_round['torch'])}), C++ "
+            f"selection {times(flat['kernel'])} ({', '.join(times(x) for x in by_round['kernel'])}). The decode "
+            "harness (the backend's step without SGLang), offloading off: bench_serve's tiny Llama (2 layers, 8/2 "
+            "heads of 32, the released NosaConfig, A = 0) and SmolLM2-135M's attention (30 layers, 9/3 heads of 64, "
+            "the long-context suite's 8K budget, eviction heads on); the selection columns are `StatePool.select` "
+            "(compressed-key gather, scores, selection).")

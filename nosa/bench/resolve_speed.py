@@ -9,6 +9,7 @@ import json
 import os
 import statistics
 import time
+from unittest import mock
 
 import torch
 
@@ -103,12 +104,18 @@ def bench_resolve(name: str, rounds: int, steps: int, compiled: bool = False) ->
 SELECT_SHAPE = {"num_layers": 2, "hq": 8, "hkv": 2, "head_dim": 32}  # bench_serve's tiny Llama, batch 4
 
 
-def bench_select(contexts: list[int], rounds: int, steps: int) -> dict:
-    """The eager decode step (offloading off, A = 0, the released NosaConfig) at each context with the
-    CPU selection kernel (nosa.kernels.select_cpu) and with the torch selection it replaces
-    (``NOSA_KERNELS=reference``, which changes nothing else with offloading off), in alternating
-    rounds: the step's CPU ms and the selection's (``StatePool.select``) per context and variant."""
-    cfg, kinds = NosaConfig(), {"kernel": "auto", "torch": "reference"}
+def bench_select(contexts: list[int], rounds: int, steps: int, smollm2: bool = True) -> dict:
+    """The eager decode step (offloading off) with the CPU selection kernel (nosa.kernels.select_cpu)
+    and with the torch selection it replaces (``NOSA_KERNELS=reference``, which changes nothing else
+    with offloading off), in alternating rounds: bench_serve's tiny Llama at each of ``contexts``
+    (batch 4, the released NosaConfig, A = 0), and with ``smollm2`` SmolLM2-135M's attention at the
+    long-context suite's 8K budget (30 layers, eviction heads on). Per case and variant the step's and
+    the selection's (``StatePool.select``) CPU ms."""
+    kinds = {"kernel": "auto", "torch": "reference"}
+    cases = {f"tiny llama, {c // 1024}K" if c % 1024 == 0 else f"tiny llama, {c}": (NosaConfig(), SELECT_SHAPE,
+                                                                                     [c] * 4, True) for c in contexts}
+    if smollm2:
+        cases["smollm2-135m, 8K"] = (*shape("smollm2")[:2], [8100], False)
     spent = {"select": 0.0}
     inner = state_pool.StatePool.select
 
@@ -120,22 +127,22 @@ def bench_select(contexts: list[int], rounds: int, steps: int) -> dict:
             spent["select"] += time.process_time() - start
 
     runners = {}
-    for context in contexts:
+    for case, (cfg, kwargs, lengths, a0) in cases.items():
         for kind in kinds:
-            r = runners[(context, kind)] = Runner(cfg, SELECT_SHAPE, [context] * 4, False, (rounds + 1) * steps + 8)
-            with torch.no_grad():
-                for head in r.h.heads:
-                    head.scale.zero_()  # A = 0: the query ranks every block, as bench_serve's default
+            r = runners[(case, kind)] = Runner(cfg, kwargs, lengths, False, (rounds + 1) * steps + 8)
+            if a0:
+                with torch.no_grad():
+                    for head in r.h.heads:
+                        head.scale.zero_()  # A = 0: the query ranks every block, as bench_serve's default
     per = {key: [] for key in runners}
-    before = os.environ.get("NOSA_KERNELS")
     state_pool.StatePool.select = timed
     try:
         for k in range(rounds + 1):  # round 0 warms up
             keys = list(runners) if k % 2 == 0 else list(runners)[::-1]
             for key in keys:
-                os.environ["NOSA_KERNELS"] = kinds[key[1]]
                 spent["select"] = 0.0
-                ms = runners[key].run(steps)[0]
+                with mock.patch.dict(os.environ, {"NOSA_KERNELS": kinds[key[1]]}):
+                    ms = runners[key].run(steps)[0]
                 if k:
                     per[key].append((ms, 1e3 * spent["select"] / steps))
             if k:
@@ -143,16 +150,15 @@ def bench_select(contexts: list[int], rounds: int, steps: int) -> dict:
                                                                    for c, kind in runners}}), flush=True)
     finally:
         state_pool.StatePool.select = inner
-        if before is None:
-            os.environ.pop("NOSA_KERNELS", None)
-        else:
-            os.environ["NOSA_KERNELS"] = before
-    rows = [{"context": c, "variant": kind,
-             "cpu_ms_per_step": round(statistics.median(x[0] for x in per[(c, kind)]), 3),
+    rows = [{"case": c, "context": cases[c][2][0], "batch": len(cases[c][2]), "layers": cases[c][1]["num_layers"],
+             "variant": kind, "cpu_ms_per_step": round(statistics.median(x[0] for x in per[(c, kind)]), 3),
              "select_ms_per_step": round(statistics.median(x[1] for x in per[(c, kind)]), 3)} for c, kind in per]
-    longest, shortest = max(contexts), min(contexts)
-    flat = {kind: [b[0] / a[0] for a, b in zip(per[(shortest, kind)], per[(longest, kind)])] for kind in kinds}
-    return {"nosa_config": cfg.to_dict(), "harness": {**SELECT_SHAPE, "batch": 4, "evict_scale": 0.0},
+    tiny = [c for c in cases if cases[c][3]]
+    flat = {kind: [b[0] / a[0] for a, b in zip(per[(tiny[0], kind)], per[(tiny[-1], kind)])] for kind in kinds}
+    described = {c: {"nosa_config": cfg.to_dict(), "harness": kwargs, "prompt_lengths": lengths,
+                     "eviction_heads": "off (A = 0)" if a0 else "on (random)"}
+                 for c, (cfg, kwargs, lengths, a0) in cases.items()}
+    return {"cases": described,
             "contexts": contexts, "rounds": rounds, "steps_per_round": steps, "rows": rows,
             "longest_over_shortest": {kind: round(statistics.median(v), 3) for kind, v in flat.items()},
             "longest_over_shortest_by_round": {kind: [round(x, 3) for x in v] for kind, v in flat.items()}}
