@@ -77,3 +77,7 @@ class CppLibrary:
                     self.error = str(exc)
                     log.warning("nosa: the %s is unavailable, the torch path runs instead: %s", self.what, exc)
         return self._lib
+
+    def ready(self) -> bool:
+        """``NOSA_KERNELS`` unset or ``auto`` and the library built: its callers run it."""
+        return env.choice("NOSA_KERNELS") == "auto" and self.get() is not None

@@ -15,7 +15,6 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from nosa import env
 from nosa.kernels.cpu_build import CppLibrary
 from nosa.kernels.cpu_build import build as build_cpp
 from nosa.kernels.recall import check_dequant, check_indices
@@ -76,7 +75,7 @@ def library():
 @torch.compiler.assume_constant_result
 def _ready() -> bool:
     """``NOSA_KERNELS`` unset or ``auto`` and the kernel built (a constant to torch.compile)."""
-    return env.choice("NOSA_KERNELS") == "auto" and library() is not None
+    return _LIBRARY.ready()
 
 
 def wanted_here(*tensors: torch.Tensor) -> bool:

@@ -66,7 +66,7 @@ extern "C" int64_t nosa_select_blocks(int64_t rows, int64_t hkv, int64_t nb, con
     const int64_t picks = std::min(query_blocks, nb);
     std::vector<int64_t> major(nb), minor(nb), keys(nb);
     std::vector<float> q(nb);
-    std::vector<char> exists(nb), in_query(nb), chosen(nb);
+    std::vector<char> exists(nb), in_query(nb), cand(nb), chosen(nb);
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t cur = floor_div(positions[r], block_size);
         for (int64_t h = 0; h < hkv; ++h) {
@@ -83,14 +83,13 @@ extern "C" int64_t nosa_select_blocks(int64_t rows, int64_t hkv, int64_t nb, con
             // free picks: the largest pick keys; the candidates among them join the query set
             if (picks > 0) {
                 for (int64_t b = 0; b < nb; ++b) {
-                    const bool cand = exists[b] && !in_query[b] && std::isfinite(q[b]);
-                    keys[b] = shl(cand ? ordered(q[b]) : ord_neg_inf, kIndexBits) | (kIndexMask - b);
+                    cand[b] = exists[b] && !in_query[b] && std::isfinite(q[b]);
+                    keys[b] = shl(cand[b] ? ordered(q[b]) : ord_neg_inf, kIndexBits) | (kIndexMask - b);
                 }
                 std::nth_element(keys.begin(), keys.begin() + (picks - 1), keys.end(), std::greater<int64_t>());
                 for (int64_t i = 0; i < picks; ++i) {
                     const int64_t b = kIndexMask - (keys[i] & kIndexMask);
-                    if (exists[b] && std::isfinite(q[b]) && !(b < sink_blocks || b > cur - window_blocks))
-                        in_query[b] = 1;
+                    if (cand[b]) in_query[b] = 1;
                 }
             }
             for (int64_t b = 0; b < nb; ++b) {

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from nosa import env
 from nosa.kernels.cpu_build import CppLibrary
 
 SOURCE = Path(__file__).with_name("select_cpu.cpp")
@@ -39,7 +38,7 @@ def wanted_here(*tensors: torch.Tensor) -> bool:
     """Whether a selection over ``tensors`` runs this kernel: all on the CPU, ``NOSA_KERNELS`` unset
     or ``auto``, not traced by torch.compile, and the kernel built."""
     return (not torch.compiler.is_compiling() and all(t.device.type == "cpu" for t in tensors)
-            and env.choice("NOSA_KERNELS") == "auto" and library() is not None)
+            and _LIBRARY.ready())
 
 
 def select_blocks(query_scores: torch.Tensor, evict_scores: torch.Tensor, positions: torch.Tensor,

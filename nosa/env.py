@@ -31,7 +31,7 @@ VARIABLES: tuple[EnvVar, ...] = (
            "reference elsewhere, and the C++ resolve and selection kernels in a CPU server's eager step), `reference` "
            "(always the torch reference) or `triton` (always the Triton kernels; CPU tensors need "
            "TRITON_INTERPRET=1, tests only).",
-           ("nosa/ops.py", "kernels/resolve_cpu.py", "kernels/select_cpu.py"), ("auto", "reference", "triton")),
+           ("nosa/ops.py", "kernels/cpu_build.py"), ("auto", "reference", "triton")),
     EnvVar("NOSA_DECODE_IMPL", "triton",
            "The slot decode kernel where kernels run: `triton` or `flashinfer` (FlashInfer's paged decode with a "
            "NOSA JIT variant; CUDA and bf16/fp16 only). NOSA_KERNELS=reference still forces the reference.",

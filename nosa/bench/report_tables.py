@@ -140,18 +140,16 @@ def headline(root: Path) -> str:
 def gemma_ruler_row(data: dict, pooled: dict) -> list[str]:
     """The headline's RULER row of Gemma 3: dense / A = 0 / fitted heads at 1/4, per length; at the
     lengths of ``pooled`` (more examples, two seeds) its figures, with the heads fitted there."""
+    source = {n: (data, "fitted, 1/4") for n in data["lengths"]} | {n: (pooled, "fitted-8k, 1/4")
+                                                                  for n in pooled["lengths"]}
     parts = []
-    for report, fitted in ((pooled, "fitted-8k, 1/4"), (data, "fitted, 1/4")):
-        scored = {(r["variant"], r["length"]): r["task_mean"] for r in report["results"]}
-        for n in report["lengths"]:
-            if report is data and n in pooled["lengths"]:
-                continue
-            each = report["examples_per_task"][str(n)]
-            parts.append(f"{n} ({each} per task): " + " / ".join(f"{100 * scored[(v, n)]:.1f}"
-                                                                for v in ("dense", "A = 0, 1/4", fitted)))
+    for n, (report, fitted) in sorted(source.items()):
+        scored = {r["variant"]: r["task_mean"] for r in report["results"] if r["length"] == n}
+        parts.append(f"{n} ({report['examples_per_task'][str(n)]} per task): "
+                     + " / ".join(f"{100 * scored[v]:.1f}" for v in ("dense", "A = 0, 1/4", fitted)))
     return [f"Gemma 3 270M ({data['model_source']['quantization']} dequantized) on NVIDIA's RULER "
             f"({len(data['tasks'])} tasks, score 0-100): dense / A = 0 / fitted heads, at 1/4 of the full layers' "
-            "blocks (examples per task)", "; ".join(sorted(parts, key=lambda t: int(t.split()[0]))),
+            "blocks (examples per task)", "; ".join(parts),
             "`results/ruler_gemma3_8k.json`, `results/ruler_gemma3.json`"]
 
 

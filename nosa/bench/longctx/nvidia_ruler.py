@@ -103,11 +103,16 @@ def _load(path: str) -> dict:
     return vars(module)
 
 
+def rows_file(out_dir: str, task: str) -> str:
+    """Where RULER's generator writes a task's rows under ``out_dir`` (its --save_dir)."""
+    return os.path.join(out_dir, task, "validation.jsonl")
+
+
 def generate(cfg: TaskConfig, tokenizer_dir: str, max_seq_length: int, count: int, seed: int,
              out_dir: str) -> list[dict]:
     """RULER's rows ({index, input, outputs, length}) of one task configuration, written by its own
     generator under ``out_dir`` (kept there: a second call reads them back)."""
-    path = os.path.join(out_dir, cfg.name, "validation.jsonl")
+    path = rows_file(out_dir, cfg.name)
     if not os.path.isfile(path):
         script = os.path.join(package_dir(), "data", "synthetic", f"{cfg.generator}.py")
         argv = [sys.executable, "-c", _BOOT, script, "--save_dir", out_dir, "--save_name", cfg.name,
@@ -202,8 +207,8 @@ class RulerSuite:
         out = []
         # a bar while RULER's generators write rows (each a fresh interpreter: seconds to minutes a
         # task); rows written before are read back at once and show none
-        todo = [t for t in self.tasks if not os.path.isfile(os.path.join(
-            self.data_dir, digest, f"{length}-seed{seed}-n{count}", t, "validation.jsonl"))]
+        first_try = os.path.join(self.data_dir, digest, f"{length}-seed{seed}-n{count}")
+        todo = [t for t in self.tasks if not os.path.isfile(rows_file(first_try, t))]
         bar = tqdm(total=len(todo), desc=f"RULER rows at {length}", unit="task", dynamic_ncols=True,
                    disable=not todo)
         for task in self.tasks:
