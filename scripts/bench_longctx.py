@@ -31,7 +31,9 @@ share (``budget_config``: blocks of 32 tokens, so 8K = 256 blocks; budget = 1/4 
 context's blocks = 1 sink + a window of 17/64 of it (the released NOSA's proportion) + free
 query-aware picks, 1/16 of it by default (``--picks``; the release's 15/64 reselects 4x as many
 blocks per step and answered no better on this model: docs/real-models.md) + the rest ranked by the eviction
-heads; dense_len 0. 8K at 1/4 = 64 = 1 + 17 + 4 + 42).
+heads; dense_len 0. 8K at 1/4 = 64 = 1 + 17 + 4 + 42). The compressed windows that score blocks for the
+query are 32 tokens every 16 by default; ``--windows 16/16`` runs every sparse variant with others
+(scripts/probe_windows.py compares layouts; docs/training.md).
 
 Prefill (``--prefill``):
 - ``dense`` (default): the context part of a prompt (template, instruction, haystack) is prefilled
@@ -64,7 +66,7 @@ import sys
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")  # before transformers is imported (it reads them then)
 
-from nosa.bench.longctx.config import PICKS, budget_config, picks_share  # noqa: E402
+from nosa.bench.longctx.config import PICKS, WINDOWS, budget_config, picks_share, windows_arg  # noqa: E402
 from nosa.bench.longctx.merge import drop_variants, keep_lengths, merge  # noqa: E402
 from nosa.bench.longctx.run import run  # noqa: E402
 from nosa.bench.longctx.suites import SEEDS, SUITES, task_names  # noqa: E402
@@ -96,6 +98,10 @@ def main(argv=None) -> int:
                         help="free query-aware picks as a share of the budget (several: one variant per NOSA "
                              "checkpoint, budget and share; default 1/16; the release's split is 15/64). A = 0 "
                              "ranks every non-forced block by the query, so its selection does not depend on this")
+    parser.add_argument("--windows", type=windows_arg, default=WINDOWS, metavar="KERNEL/STRIDE",
+                        help="the compressed windows that score blocks for a query, in tokens (default "
+                             f"{WINDOWS[0]}/{WINDOWS[1]}; blocks are {WINDOWS[0]}); every sparse variant, A = 0 and "
+                             "--nosa alike, runs with them, and another layout than the default is in their names")
     parser.add_argument("--a0", action=argparse.BooleanOptionalAction, default=True,
                         help="the A = 0 variants (--no-a0: only dense and the --nosa checkpoints, e.g. to add a "
                              "checkpoint to an earlier report on the same examples with --merge)")
@@ -165,7 +171,7 @@ def main(argv=None) -> int:
     for length in args.lengths:
         for share in args.shares:
             for picks in args.picks:
-                budget_config(length, share, picks)  # a ValueError naming the field, before anything runs
+                budget_config(length, share, picks, args.windows)  # a ValueError naming the field, first
     return write_report(run(args, dict(zip(args.lengths, counts))), args.out, args.plot)
 
 

@@ -5,6 +5,7 @@ scripts/wandb_report.py --summary): registered like ``report_tables``' renderers
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from nosa.bench.longctx.summary import compare
@@ -171,6 +172,15 @@ def _points(p: dict | None) -> str:
     return f"{p['points']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}]" if p else "-"
 
 
+def _a0(variant: str, share: int | None, names: set[str]) -> str | None:
+    """The A = 0 row a sparse variant is compared with: the one of its own --windows where there is one."""
+    if not share:
+        return None
+    layout = re.search(r", windows \d+/\d+", variant)
+    own = f"A = 0, 1/{share}{layout[0]}" if layout else None
+    return own if own in names else f"A = 0, 1/{share}"
+
+
 @renders(RULER_FT)
 def ruler_finetunes(root: Path) -> str:
     """The fine-tunes on RULER (docs/training.md): per length and variant, the mean of the task
@@ -184,7 +194,7 @@ def ruler_finetunes(root: Path) -> str:
     for n in data["lengths"]:
         for v in [v for v in names if (v, n) in get]:
             r = get[(v, n)]
-            a0 = f"A = 0, 1/{r['share']}" if r["share"] else None
+            a0 = _a0(v, r["share"], {x for x, m in get if m == n})
             p = ppl.get(v) if ppl.get(v, {}).get("length") == n else None  # measured at one length
             rows.append([n, v, f"{100 * r['task_mean']:.1f}", _points(pair.get((v, "dense", n))),
                          _points(pair.get((v, "dense-FT", n))),
@@ -292,3 +302,23 @@ def kv_formats(root: Path, path: str = KV_FORMATS) -> str:
 def kv_formats_gemma3(root: Path) -> str:
     """kv_formats of Gemma 3 270M (its full-attention layers)."""
     return kv_formats(root, KV_FORMATS_GEMMA)
+
+
+PROBE_WINDOWS = "results/probe_windows.json"
+
+
+@renders(PROBE_WINDOWS)
+def probe_windows(root: Path) -> str:
+    """Per compressed-window layout (scripts/probe_windows.py): the answer block's dense attention caught
+    by the top query-ranked blocks, and how often the top block is the one dense attention weighs most."""
+    data = load(root, PROBE_WINDOWS)
+    rows = [[f"{r['layout']} ({r['windows_per_block']:g} per block)" if r["windows_per_block"] else
+             f"{r['layout']} (every key; not offloadable)", f"{r['top1']:.3f}", f"{r['top2']:.3f}",
+             f"{r['top4']:.3f}", f"{r['best']:.3f}"] for r in data["rows"]]
+    header = ["windows: kernel / stride, tokens", "answer's weight in the top block", "in the top 2", "in the top 4",
+              "top block = dense's heaviest"]
+    cfg = data["config"]
+    return (table(header, rows) + f"\n\n`{data['model']}`, RULER's niah and qa tasks at {data['length']} tokens, "
+            f"{data['examples']} examples (seed {data['seed']}, not the benchmark's), {data['heads']} (example, layer, "
+            f"KV head) triples whose answer block is a candidate (neither sink nor in the window of 1/{data['share']}: "
+            f"{cfg['sink_blocks']} + {cfg['window_blocks']} blocks of {cfg['block_size']} tokens).")

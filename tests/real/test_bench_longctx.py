@@ -3,6 +3,7 @@ tiny end-to-end run on the real model in which A = 0 with every block in its bud
 exactly as dense."""
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -38,6 +39,46 @@ def test_budget_config_picks_share():
     for bad in ("1", "-1/8", "x", "1/0"):
         with pytest.raises(argparse.ArgumentTypeError, match="fraction|share"):
             suite_config.picks_share(bad)
+
+
+def test_budget_config_windows():
+    """--windows sets the compressed windows and nothing else of the budget; KERNEL/STRIDE is parsed
+    and a layout NosaConfig refuses is named before anything runs."""
+    base, cfg = suite_config.budget_config(2048, 4), suite_config.budget_config(2048, 4, windows=(16, 16))
+    assert (base.compress_kernel, base.compress_stride) == suite_config.WINDOWS == (32, 16)
+    assert (cfg.compress_kernel, cfg.compress_stride) == (16, 16)
+    assert dataclasses.replace(cfg, compress_kernel=32, compress_stride=16) == base
+    assert suite_config.windows_arg("16/8") == (16, 8) and suite_config.windows_name((16, 8)) == "16/8"
+    for bad in ("16", "a/b", "0/16", "16/"):
+        with pytest.raises(argparse.ArgumentTypeError, match="KERNEL/STRIDE"):
+            suite_config.windows_arg(bad)
+    with pytest.raises(ValueError, match="compress_stride"):
+        suite_config.budget_config(2048, 4, windows=(16, 12))
+
+
+def test_merge_joins_other_windows_as_other_variants():
+    """A run with --windows 16/16 (its variants named so) joins a report of the default windows on the
+    same examples; the joined report lists both layouts; joined by lengths they must agree (a report
+    from before --windows ran the default)."""
+    old = _run(["dense", "A = 0, 1/4"], {"dense": (1, 1), "A = 0, 1/4": (0, 1)})  # no "windows" key
+    new = dict(_run(["dense", "A = 0, 1/4, windows 16/16"], {"dense": (1, 1), "A = 0, 1/4, windows 16/16": (1, 1)}),
+               windows=["16/16"])
+    for report in (old, new):
+        report["results"] = [dict(r, share=None if r["variant"] == "dense" else 4) for r in report["results"]]
+    new["results"].append({"variant": "ft, 1/4, windows 16/16", "length": 2048, "share": 4})
+    for ex, right in zip(new["examples"], (0, 0)):
+        ex["right"]["ft, 1/4, windows 16/16"] = right
+    merged = merge([old, new])
+    assert merged["windows"] == ["32/16", "16/16"]
+    vs = {(p["variant"], p["vs"]): p["points"] for p in merged["paired"]}
+    assert vs[("A = 0, 1/4, windows 16/16", "A = 0, 1/4")] == pytest.approx(50.0)
+    # a checkpoint run with other windows: paired with A = 0 of both layouts
+    assert vs[("ft, 1/4, windows 16/16", "A = 0, 1/4, windows 16/16")] == pytest.approx(-100.0)
+    assert vs[("ft, 1/4, windows 16/16", "A = 0, 1/4")] == pytest.approx(-50.0)
+    later = dict(new, lengths=[4096], examples=[dict(ex, length=4096) for ex in new["examples"]],
+                 results=[dict(r, length=4096) for r in new["results"]], examples_per_task={"4096": 2})
+    with pytest.raises(SystemExit, match="'windows'"):
+        merge([old, dict(later, results=[dict(r, variant="dense") for r in later["results"][:1]])])
 
 
 def test_a0_selection_does_not_depend_on_the_picks_share():

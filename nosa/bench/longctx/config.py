@@ -17,17 +17,20 @@ RELEASED_PICKS = Fraction(RELEASED[2], RELEASED[0])
 # heads' accuracy at 2K and raised it at 4K against the released 15/64, with 3.3x fewer blocks
 # entering per step (hit rate 98% vs 93%).
 PICKS = Fraction(1, 16)
+# Default compressed windows (kernel, stride) in tokens: the mean keys that score blocks for a query.
+WINDOWS = (BLOCK, BLOCK // 2)
 
 
-def budget_config(length: int, share: int, picks: Fraction = PICKS):
+def budget_config(length: int, share: int, picks: Fraction = PICKS, windows: tuple[int, int] = WINDOWS):
     """The NosaConfig of the suite at ``length`` tokens and a budget of 1/``share`` of its blocks:
     1 sink block, a window of 17/64 of the budget (the released proportion, rounded half up; at least
     2 blocks, so compressed windows end inside it), ``picks`` of the budget as free query-aware picks
     (rounded half up), the rest ranked by the eviction heads. 8K at 1/4: 64 = 1 + 17 + 4 + 42; with
-    ``picks=RELEASED_PICKS`` the released structure, 64 = 1 + 17 + 15 + 31."""
+    ``picks=RELEASED_PICKS`` the released structure, 64 = 1 + 17 + 15 + 31. ``windows``: the compressed
+    windows' (kernel, stride) in tokens."""
     budget = length // BLOCK // share
     window = max(2, int(budget * RELEASED[1] / RELEASED[0] + 0.5))
-    return NosaConfig(block_size=BLOCK, compress_kernel=BLOCK, compress_stride=BLOCK // 2, sink_blocks=1,
+    return NosaConfig(block_size=BLOCK, compress_kernel=windows[0], compress_stride=windows[1], sink_blocks=1,
                       window_blocks=window, topk_blocks=budget, query_blocks=int(budget * picks + 0.5), dense_len=0)
 
 
@@ -40,3 +43,20 @@ def picks_share(text: str) -> Fraction:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"{text} is not in [0, 1): picks are a share of the budget")
     return value
+
+
+def windows_arg(text: str) -> tuple[int, int]:
+    """--windows: KERNEL/STRIDE in tokens, such as 16/16."""
+    kernel, sep, stride = text.partition("/")
+    try:
+        value = (int(kernel), int(stride))
+    except ValueError:
+        value = None
+    if not sep or value is None or min(value) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KERNEL/STRIDE in tokens, such as 16/16")
+    return value
+
+
+def windows_name(windows: tuple[int, int]) -> str:
+    """"16/16": how reports and variant names write a (kernel, stride) pair."""
+    return f"{windows[0]}/{windows[1]}"

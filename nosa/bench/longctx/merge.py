@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from nosa.bench.longctx.config import PICKS
+from nosa.bench.longctx.config import PICKS, WINDOWS, windows_name
 from nosa.bench.longctx.summary import compare, result_row
 
 
@@ -35,14 +35,15 @@ def merge(reports: list[dict]) -> dict:
 
     by_variants = not pool and len(reports) > 1 and all(new_variants(r) for r in reports[1:])
     # joined by variants, other picks are other variants ("fitted, 1/4, picks 15/64"), named apart
-    same = ("suite", "model", "prefill", "tasks") + (("shares", "picks") if pool else ("seed",) if by_variants
-                                                     else ("seed", "picks"))
+    # (another --windows is other variants too: their names say it)
+    same = ("suite", "model", "prefill", "tasks") + (("shares", "picks", "windows") if pool else ("seed",)
+                                                     if by_variants else ("seed", "picks", "windows"))
     for r in reports[1:]:
         if pool and _variants(r) != _variants(first):  # before their budgets: the variants say more
             raise SystemExit(f"bench_longctx --merge: reports of other seeds must run the same variants: "
                              f"{_variants(first)} vs {_variants(r)}")
         for key in same:
-            if r.get(key) != first.get(key):
+            if _field(r, key) != _field(first, key):
                 raise SystemExit(f"bench_longctx --merge: the reports differ in {key!r}: "
                                  f"{first.get(key)!r} vs {r.get(key)!r}")
         # a later report may run fewer budgets (e.g. only 1/4 at the longest length), not others
@@ -60,6 +61,13 @@ def merge(reports: list[dict]) -> dict:
     out["parts"] = [p for r in reports for p in (r.get("parts") or [r.get("provenance")]) if p]
     out["paired"] = compare(out)
     return out
+
+
+def _field(report: dict, key: str):
+    """A report's ``key``; reports written before --windows existed ran the default windows."""
+    if key == "windows":
+        return report.get("windows") or [windows_name(WINDOWS)]
+    return report.get(key)
 
 
 def drop_variants(report: dict, texts: list[str]) -> dict:
@@ -171,7 +179,8 @@ def _join_variants(reports: list[dict]) -> dict:
     order = {n: i for i, n in enumerate(first["lengths"])}
     out = dict(first)
     out.update(results=sorted(results, key=lambda row: order[row["length"]]), examples=examples, perplexity=perplexity,
-               picks=list(dict.fromkeys(p for r in reports for p in r["picks"])))
+               picks=list(dict.fromkeys(p for r in reports for p in r["picks"])),
+               windows=list(dict.fromkeys(w for r in reports for w in _field(r, "windows"))))
     return out
 
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import nosa
 from nosa import kvquant
-from nosa.bench.longctx.config import PICKS
+from nosa.bench.longctx.config import PICKS, WINDOWS, windows_name
 from nosa.bench.longctx.suites import make_suite
 from nosa.bench.longctx.summary import summarise
 from nosa.bench.longctx.variant import (
@@ -44,15 +44,18 @@ def load_variants(args):
     host = [kvquant.host_kv_dtype(name, torch.float32) for name in getattr(args, "host_kv_dtypes", None) or ["auto"]]
     host = [None if not kvquant.is_quantized(d) else d for d in host]  # None: the model's dtype
     tag = {None: "", torch.int8: ", int8 host KV", torch.float8_e4m3fn: ", fp8 host KV"}
-    variants += [Variant(f"A = 0, 1/{s}{tag[d]}", dense, s, "dense", host_dtype=d)
+    windows = getattr(args, "windows", WINDOWS)
+    layout = f", windows {windows_name(windows)}" if windows != WINDOWS else ""  # other layouts, other names
+    variants += [Variant(f"A = 0, 1/{s}{layout}{tag[d]}", dense, s, "dense", host_dtype=d, windows=windows)
                  for s in args.shares if args.a0 for d in host]
     for spec in args.nosa or []:
         label, _, path = spec.rpartition("=")
         label = label or os.path.basename(os.path.normpath(path))
         model = nosa.from_pretrained(path).eval()
         base = "dense" if same_base(model, dense) else label
-        variants += [Variant(f"{label}, 1/{s}" + (f", picks {p}" if args.picks != [PICKS] else "") + tag[d], model,
-                             s, base, p, host_dtype=d) for s in args.shares for p in args.picks for d in host]
+        variants += [Variant(f"{label}, 1/{s}" + (f", picks {p}" if args.picks != [PICKS] else "") + layout + tag[d],
+                             model, s, base, p, host_dtype=d, windows=windows)
+                     for s in args.shares for p in args.picks for d in host]
     for spec in getattr(args, "dense_ckpt", []):
         label, _, path = spec.rpartition("=")
         variants.append(Variant(label, nosa.from_pretrained(path).eval(), None, label))  # prepare(): sdpa

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 from nosa import models
+from nosa.bench.longctx.config import WINDOWS, windows_name
 from nosa.bench.results import write_result
 from nosa.config import NosaConfig
 
@@ -57,9 +59,11 @@ def compare(report: dict) -> list[dict]:
         for r in rows:
             if r.get("share") is None:
                 references = ["dense"] if r["variant"] in dense_ckpts else []
-            else:
+            else:  # A = 0 at the budget, and A = 0 of the variant's own --windows where that is another
+                layout = re.search(r", windows \d+/\d+", r["variant"])
                 a0 = f"A = 0, 1/{r['share']}"
-                references = ["dense", *dense_ckpts] + ([a0] if r["variant"] != a0 and a0 in names else [])
+                a0s = dict.fromkeys([a0] + ([a0 + layout[0]] if layout else []))
+                references = ["dense", *dense_ckpts] + [a0 for a0 in a0s if r["variant"] != a0 and a0 in names]
             for reference in references:
                 out.append(dict(paired(records, r["variant"], reference), length=length))
     return out
@@ -115,6 +119,7 @@ def summarise(args, suite, counts, variants, records, perplexity, seconds, env, 
         "tasks": list(suite.tasks),
         "shares": list(args.shares),
         "picks": [str(p) for p in args.picks],
+        "windows": [windows_name(getattr(args, "windows", WINDOWS))],
         "seed": args.seed,
         "scoring": suite.scoring,
         "spread": ("Wilson 95% interval of each mean score (for partial scores, RULER's string_match_all, it "

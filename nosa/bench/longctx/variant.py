@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 import nosa
 from nosa import nosa_prefill
-from nosa.bench.longctx.config import PICKS, budget_config
+from nosa.bench.longctx.config import PICKS, WINDOWS, budget_config
 from nosa.eviction import MODULE_NAME
 from nosa.hf import capture_attention_inputs, nosa_attention_modules
 from nosa.select import blocks_entering
@@ -35,10 +35,11 @@ class Variant:
     base: str  # variants with one base share the dense context prefill
     picks: Fraction = PICKS  # share of the budget for free query-aware picks
     host_dtype: torch.dtype | None = None  # NOSA_HOST_KV_DTYPE's quantized pool (nosa.hf.host_kv_dtype)
+    windows: tuple[int, int] = WINDOWS  # the compressed windows' (kernel, stride) in tokens
 
     def config(self, length: int):
         """This variant's NosaConfig at ``length`` tokens (None: dense)."""
-        return None if self.share is None else budget_config(length, self.share, self.picks)
+        return None if self.share is None else budget_config(length, self.share, self.picks, self.windows)
 
     def prepare(self, length: int):
         """Set the model's attention for this variant at ``length``; returns its NosaConfig (None: dense)."""
