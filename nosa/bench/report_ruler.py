@@ -173,12 +173,13 @@ def _points(p: dict | None) -> str:
 
 
 def _a0(variant: str, share: int | None, names: set[str]) -> str | None:
-    """The A = 0 row a sparse variant is compared with: the one of its own --windows where there is one."""
+    """The A = 0 row a sparse variant is compared with: the one of its own --windows where there is one
+    (A = 0 of other windows itself: the suite's A = 0)."""
     if not share:
         return None
     layout = re.search(r", windows \d+/\d+", variant)
     own = f"A = 0, 1/{share}{layout[0]}" if layout else None
-    return own if own in names else f"A = 0, 1/{share}"
+    return own if own in names and own != variant else f"A = 0, 1/{share}"
 
 
 @renders(RULER_FT)
