@@ -5,10 +5,9 @@ scripts/wandb_report.py --summary): registered like ``report_tables``' renderers
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from nosa.bench.longctx.summary import compare
+from nosa.bench.longctx.summary import a0_name, compare
 from nosa.bench.report_tables import load, pct, renders, table
 
 RULER = "results/ruler.json"
@@ -172,16 +171,6 @@ def _points(p: dict | None) -> str:
     return f"{p['points']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}]" if p else "-"
 
 
-def _a0(variant: str, share: int | None, names: set[str]) -> str | None:
-    """The A = 0 row a sparse variant is compared with: the one of its own --windows where there is one
-    (A = 0 of other windows itself: the suite's A = 0)."""
-    if not share:
-        return None
-    layout = re.search(r", windows \d+/\d+", variant)
-    own = f"A = 0, 1/{share}{layout[0]}" if layout else None
-    return own if own in names and own != variant else f"A = 0, 1/{share}"
-
-
 @renders(RULER_FT)
 def ruler_finetunes(root: Path) -> str:
     """The fine-tunes on RULER (docs/training.md): per length and variant, the mean of the task
@@ -195,7 +184,7 @@ def ruler_finetunes(root: Path) -> str:
     for n in data["lengths"]:
         for v in [v for v in names if (v, n) in get]:
             r = get[(v, n)]
-            a0 = _a0(v, r["share"], {x for x, m in get if m == n})
+            a0 = a0_name(v, r["share"], {x for x, m in get if m == n})
             p = ppl.get(v) if ppl.get(v, {}).get("length") == n else None  # measured at one length
             rows.append([n, v, f"{100 * r['task_mean']:.1f}", _points(pair.get((v, "dense", n))),
                          _points(pair.get((v, "dense-FT", n))),

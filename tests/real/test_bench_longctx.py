@@ -312,6 +312,15 @@ def test_targets_against_dense_and_a0():
     assert t["points_below_dense"] == pytest.approx(12.5)  # (100 + 50) / 2 - (75 + 50) / 2
     assert t["tasks_below_a0"] == ["passkey", "vt"]
     assert t["entering_over_a0"] == 0.25 and t["hit_rate"] == 0.97 and t["ppl_over_dense"] == 1.02
+    # a variant run with other windows is held to A = 0 of its own windows where that ran, else the suite's
+    layout = ", windows 16/16"
+    report["results"] += [row("A = 0, 1/4" + layout, 4, (2, 2, 0), 1.0, 0.85),
+                          row("fitted, 1/4" + layout, 4, (3, 1, 0), 0.5, 0.97)]
+    by = {t["variant"]: t for t in targets(report)}
+    own = by["fitted, 1/4" + layout]
+    assert own["tasks_below_a0"] == ["qa"] and own["entering_over_a0"] == 0.5
+    report["results"] = [r for r in report["results"] if not r["variant"].startswith("A = 0")]
+    assert all("tasks_below_a0" not in t for t in targets(report))  # no A = 0 ran: nothing to hold it to
 
 
 def test_wilson_interval():

@@ -138,6 +138,16 @@ def summarise(args, suite, counts, variants, records, perplexity, seconds, env, 
     return report
 
 
+def a0_name(variant: str, share: int | None, names: set[str]) -> str | None:
+    """The A = 0 row among ``names`` that a sparse variant's targets and tables compare it with: the one
+    of its own --windows where there is one (an A = 0 row of other windows itself: the suite's A = 0)."""
+    if not share:
+        return None
+    layout = re.search(r", windows \d+/\d+", variant)
+    own = f"A = 0, 1/{share}{layout[0]}" if layout else None
+    return own if own in names and own != variant else f"A = 0, 1/{share}"
+
+
 def targets(report: dict) -> list[dict]:
     """The issue's targets per NOSA variant and length, against dense and against A = 0 at the same
     budget: the accuracy gap to dense in points, averaged over the tasks where dense scores at least
@@ -149,7 +159,9 @@ def targets(report: dict) -> list[dict]:
     for r in report["results"]:
         if r["share"] is None or r["variant"].startswith("A = 0"):
             continue
-        n, dense, a0 = r["length"], get[("dense", r["length"])], get.get((f"A = 0, 1/{r['share']}", r["length"]))
+        names = {v for v, length in get if length == r["length"]}
+        n, dense, a0 = r["length"], get[("dense", r["length"])], get.get((a0_name(r["variant"], r["share"], names),
+                                                                          r["length"]))
         kept = [t for t, d in dense["tasks"].items() if d["n"] and d["acc"] >= 0.5]
         dense_acc, acc = ((sum(x["tasks"][t]["acc"] for t in kept) / len(kept) for x in (dense, r)) if kept
                           else (None, None))
@@ -173,7 +185,7 @@ def targets_table(report: dict) -> str:
     for t in targets(report):
         acc = (f"{100 * t['dense_acc']:.1f}% | {100 * t['acc']:.1f}% | {t['points_below_dense']:.1f}"
                if t["dense_tasks"] else "- | - | -")
-        below = ", ".join(t.get("tasks_below_a0", [])) or "none"
+        below = (", ".join(t["tasks_below_a0"]) or "none") if "tasks_below_a0" in t else "-"  # "-": no A = 0 run
         ratio = f"{t['entering_over_a0']:.2f}x" if t.get("entering_over_a0") is not None else "-"
         ppl = f"{t['ppl_over_dense']:.4f}" if "ppl_over_dense" in t else "-"
         out.append(f"| {t['length']} | {t['variant']} | {', '.join(t['dense_tasks']) or 'none'} | {acc} | {below} "
