@@ -30,18 +30,17 @@ Writes JSON (--out) and a markdown table to stdout; --plot draws accuracy, recal
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
-for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-    os.environ.setdefault(_var, "1")  # before transformers is imported (it reads them then)
+from nosa.bench.cli import doc_parser, offline
+
+offline()  # before transformers is imported (it reads the flags then)
 
 from nosa.bench.accuracy import run  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = doc_parser(__doc__)
     parser.add_argument("--run", nargs="+", default=["runs/tiny"], help="run dirs (one per training seed)")
     parser.add_argument("--lengths", type=int, nargs="+", help="default: 1x, 2x, 4x the training seq_len")
     parser.add_argument("--examples", type=int, default=32, help="held-out examples per length")

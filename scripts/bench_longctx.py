@@ -60,11 +60,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-    os.environ.setdefault(_var, "1")  # before transformers is imported (it reads them then)
+from nosa.bench.cli import doc_parser, offline
+
+offline()  # before transformers is imported (it reads the flags then)
 
 from nosa.bench.longctx.config import PICKS, WINDOWS, budget_config, picks_share, windows_arg  # noqa: E402
 from nosa.bench.longctx.merge import drop_variants, keep_lengths, merge  # noqa: E402
@@ -76,9 +76,7 @@ EXAMPLES = {"nosa": [12, 10, 4], "ruler": [3, 2, 1]}  # per task at 2K, 4K, 8K (
 
 
 def main(argv=None) -> int:
-    parts = __doc__.split("\n\n")
-    parser = argparse.ArgumentParser(description=parts[0], epilog="\n\n".join(parts[2:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__, epilog_from=2)
     parser.add_argument("--model", default="models/smollm2-135m", help="dense HF checkpoint (python -m nosa.models)")
     parser.add_argument("--nosa", nargs="+", metavar="[LABEL=]CKPT", help="NOSA checkpoints to add as variants")
     parser.add_argument("--dense-ckpt", nargs="+", metavar="LABEL=CKPT", default=[],

@@ -30,21 +30,19 @@ and prints a markdown table.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-    os.environ.setdefault(_var, "1")  # before transformers is imported (it reads them then)
+from nosa.bench.cli import doc_parser, offline
+
+offline()  # before transformers is imported (it reads the flags then)
 
 from nosa.bench.longctx.probe import run  # noqa: E402
 from nosa.bench.longctx.suites import SEEDS, task_names  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parts = __doc__.split("\n\n")
-    parser = argparse.ArgumentParser(description=parts[0], epilog="\n\n".join(parts[1:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__)
     parser.add_argument("--checkpoint", default="runs/smollm2/fitted", help="a NOSA checkpoint (eviction heads)")
     parser.add_argument("--tokenizer", default="models/smollm2-135m")
     parser.add_argument("--suite", choices=["nosa", "ruler"], default="nosa",

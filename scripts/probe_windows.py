@@ -12,12 +12,12 @@ scored on the benchmark's examples (docs/training.md). Writes JSON (``--out``) a
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-    os.environ.setdefault(_var, "1")  # before transformers is imported (it reads them then)
+from nosa.bench.cli import doc_parser, offline
+
+offline()  # before transformers is imported (it reads the flags then)
 
 from nosa.bench.longctx.config import budget_config, windows_arg  # noqa: E402
 from nosa.bench.longctx.layouts import run  # noqa: E402
@@ -25,9 +25,7 @@ from nosa.bench.longctx.suites import task_names  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parts = __doc__.split("\n\n")
-    parser = argparse.ArgumentParser(description=parts[0], epilog="\n\n".join(parts[1:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__)
     parser.add_argument("--model", default="models/smollm2-135m", help="a dense checkpoint")
     parser.add_argument("--ruler-data", default="runs/ruler-data", help="where RULER's generated rows are kept")
     parser.add_argument("--tasks", nargs="+", default=None, help="default: RULER's niah and qa tasks")

@@ -19,20 +19,17 @@ from the same initial weights. Writes JSON (``--out``) and prints a markdown tab
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
-for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-    os.environ.setdefault(_var, "1")  # before transformers is imported (it reads them then)
+from nosa.bench.cli import doc_parser, offline
+
+offline()  # before transformers is imported (it reads the flags then)
 
 from nosa.bench.longctx.sweep import parse_setting, run  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parts = __doc__.split("\n\n")
-    parser = argparse.ArgumentParser(description=parts[0], epilog="\n\n".join(parts[1:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__)
     parser.add_argument("--config", default="configs/train/smollm2.yaml",
                         help="training config: the fit's NosaConfig, rows, steps, lr, scale and defaults")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
