@@ -1,6 +1,6 @@
 """scripts/probe_windows.py (nosa.bench.longctx.layouts): the layouts are scored with the selection's own
-query-aware score, and the probe shows the tie that made the suite change its windows: a needle in
-the second half of a block, seen equally by the window that straddles the block boundary and by the
+query-aware score, and the probe shows the tie that 16/16 windows avoid: a needle in the second half
+of a block, seen equally by the window that straddles the block boundary and by the
 block's own window, is picked one block early with 32/16 windows and found with 16/16."""
 
 import torch

@@ -19,7 +19,7 @@ CONFIGS = {
     # the released ratios: kernel = 2 x stride, block = 4 x stride, A != 0 on one head only
     "released": NosaConfig(block_size=16, compress_kernel=8, compress_stride=4, sink_blocks=1, window_blocks=3,
                            topk_blocks=8, query_blocks=3, dense_len=0),
-    # disjoint windows, two per block (kernel = stride = block / 2: the layout of the RULER fine-tune)
+    # disjoint windows, two per block (kernel = stride = block / 2: the 16/16 fine-tune's layout)
     "disjoint": NosaConfig(block_size=16, compress_kernel=8, compress_stride=8, sink_blocks=1, window_blocks=2,
                            topk_blocks=7, query_blocks=2, dense_len=0),
 }

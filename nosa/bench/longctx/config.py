@@ -5,6 +5,7 @@ split into 1 sink block, a window, free query-aware picks and the blocks ranked 
 from __future__ import annotations
 
 import argparse
+import re
 from fractions import Fraction
 
 from nosa.config import NosaConfig
@@ -60,3 +61,11 @@ def windows_arg(text: str) -> tuple[int, int]:
 def windows_name(windows: tuple[int, int]) -> str:
     """"16/16": how reports and variant names write a (kernel, stride) pair."""
     return f"{windows[0]}/{windows[1]}"
+
+
+WINDOWS_TAG = re.compile(r", windows \d+/\d+")  # what windows_tag puts in a variant's name
+
+
+def windows_tag(windows: tuple[int, int]) -> str:
+    """What a variant's name carries for its windows: nothing for the default, ", windows 16/16" else."""
+    return "" if windows == WINDOWS else f", windows {windows_name(windows)}"

@@ -92,8 +92,8 @@ def run(args) -> int:
     captured = capture_examples(model, cfg, examples, tokenizer, cfg.block_size)
     scaling = {name: model.get_submodule(name).scaling for name in captured[0]["layers"]} if captured else {}
     sums = probe_layouts(captured, cfg, args.windows, scaling)
-    rows = [{"layout": name, "windows_per_block": (cfg.block_size / int(name.split("/")[1])
-                                                   if name != TOKEN_MAX else None),
+    per_block = {windows_name(w): cfg.block_size / w[1] for w in args.windows}  # token max: None
+    rows = [{"layout": name, "windows_per_block": per_block.get(name),
              **{key: acc[key] / acc["weight"] for key in ("top1", "top2", "top4")}, "best": acc["best"] / acc["heads"]}
             for name, acc in sums.items()]
     report = {"model": args.model, "suite": "ruler", "length": args.length, "share": args.share, "seed": args.seed,

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import nosa
 from nosa import kvquant
-from nosa.bench.longctx.config import PICKS, WINDOWS, windows_name
+from nosa.bench.longctx.config import PICKS, WINDOWS, windows_tag
 from nosa.bench.longctx.suites import make_suite
 from nosa.bench.longctx.summary import summarise
 from nosa.bench.longctx.variant import (
@@ -45,7 +45,7 @@ def load_variants(args):
     host = [None if not kvquant.is_quantized(d) else d for d in host]  # None: the model's dtype
     tag = {None: "", torch.int8: ", int8 host KV", torch.float8_e4m3fn: ", fp8 host KV"}
     windows = getattr(args, "windows", WINDOWS)
-    layout = f", windows {windows_name(windows)}" if windows != WINDOWS else ""  # other layouts, other names
+    layout = windows_tag(windows)  # other layouts, other names
     variants += [Variant(f"A = 0, 1/{s}{layout}{tag[d]}", dense, s, "dense", host_dtype=d, windows=windows)
                  for s in args.shares if args.a0 for d in host]
     for spec in args.nosa or []:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import math
 import os
-import re
 
 from nosa import models
-from nosa.bench.longctx.config import WINDOWS, windows_name
+from nosa.bench.longctx.config import WINDOWS, WINDOWS_TAG, windows_name
 from nosa.bench.results import write_result
 from nosa.config import NosaConfig
 
@@ -60,9 +59,7 @@ def compare(report: dict) -> list[dict]:
             if r.get("share") is None:
                 references = ["dense"] if r["variant"] in dense_ckpts else []
             else:  # A = 0 at the budget, and A = 0 of the variant's own --windows where that is another
-                layout = re.search(r", windows \d+/\d+", r["variant"])
-                a0 = f"A = 0, 1/{r['share']}"
-                a0s = dict.fromkeys([a0] + ([a0 + layout[0]] if layout else []))
+                a0s = dict.fromkeys([f"A = 0, 1/{r['share']}", a0_name(r["variant"], r["share"], names)])
                 references = ["dense", *dense_ckpts] + [a0 for a0 in a0s if r["variant"] != a0 and a0 in names]
             for reference in references:
                 out.append(dict(paired(records, r["variant"], reference), length=length))
@@ -143,7 +140,7 @@ def a0_name(variant: str, share: int | None, names: set[str]) -> str | None:
     of its own --windows where there is one (an A = 0 row of other windows itself: the suite's A = 0)."""
     if not share:
         return None
-    layout = re.search(r", windows \d+/\d+", variant)
+    layout = WINDOWS_TAG.search(variant)
     own = f"A = 0, 1/{share}{layout[0]}" if layout else None
     return own if own in names and own != variant else f"A = 0, 1/{share}"
 
