@@ -277,6 +277,11 @@ def check_dequant(dst, src, dst_idx, src_idx) -> None:
                              f"{tuple(s.data.shape[1:])} with scales {tuple(s.scale.shape[1:])}")
         if s.scale.dtype != torch.float32:
             raise ValueError(f"copy_items: pair {i}: scales must be float32, got {s.scale.dtype}")
+        factor = getattr(s, "factor", None)
+        if factor is not None and (factor.dim() != 2 or factor.shape[1] != s.data.shape[-1] or s.data.dim() != 3
+                                   or factor.dtype != torch.float32 or not factor.is_contiguous()):
+            raise ValueError(f"copy_items: pair {i}: key factors must be contiguous float32 [Hkv, D] for items "
+                             f"[B, D]; got {tuple(factor.shape)} {factor.dtype} for items {tuple(s.data.shape[1:])}")
         for name, t in (("dst", d), ("src data", s.data), ("src scale", s.scale)):
             if not t.is_contiguous():
                 raise ValueError(f"copy_items: pair {i}: {name} must be contiguous, strides {t.stride()}")
@@ -294,7 +299,8 @@ def copy_items_dequant_reference(dst, src, dst_idx, src_idx) -> None:
         if _kind(s) == PLAIN:
             rows = s.index_select(0, where)
         else:
-            rows = dequantize(s.data.index_select(0, where), s.scale.index_select(0, where), d.dtype)
+            factor = None if s.factor is None else s.factor.to(s.device)[where % s.factor.shape[0], None]
+            rows = dequantize(s.data.index_select(0, where), s.scale.index_select(0, where), d.dtype, factor)
         d.index_copy_(0, dst_idx.to(d.device), rows.to(d.device))
 
 
@@ -308,6 +314,7 @@ def copy_items_dequant_plan(dst, src, dst_idx, src_idx):
     for i in range(MAX_PAIRS):
         d, s = (dst[i], src[i]) if i < len(dst) else (dst[0], src[0])
         kind = _kind(s)
+        factor = getattr(s, "factor", None)
         if kind == PLAIN:
             data, scale, row = s, s, 1  # the scale pointer is never read
         else:
@@ -316,8 +323,10 @@ def copy_items_dequant_plan(dst, src, dst_idx, src_idx):
             scale, row = s.scale, s.data.shape[-1]
         width = d[0].numel() if i < len(dst) else 0
         bf16 = kind != PLAIN and d.dtype == torch.bfloat16  # stored as rounded bits (int16)
-        args += [d.view(torch.int16) if bf16 else d, data, scale]
-        consts.update({f"K{i}": kind, f"W{i}": width, f"R{i}": row, f"B{i}": int(bf16)})
+        # the factor pointer is read only when H{i} > 0 (item s is KV head s % H{i})
+        args += [d.view(torch.int16) if bf16 else d, data, scale, scale if factor is None else factor]
+        consts.update({f"K{i}": kind, f"W{i}": width, f"R{i}": row, f"B{i}": int(bf16),
+                       f"H{i}": 0 if factor is None else factor.shape[0]})
         widths.append(width)
     consts["CHUNK"] = DEQUANT_CHUNK
     grid = (dst_idx.numel(), max(1, -(-max(widths) // DEQUANT_CHUNK)))

@@ -28,8 +28,8 @@ def f32_to_bf16_bits(x):
 
 
 @triton.jit
-def one_pair(DST, SRC, SCALE, d, s, offs, ok, KIND: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
-             BF16: tl.constexpr):
+def one_pair(DST, SRC, SCALE, FACTOR, d, s, offs, ok, KIND: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
+             BF16: tl.constexpr, H: tl.constexpr):
     mask = ok & (offs < W)
     if KIND == 0:
         x = tl.load(SRC + s * W + offs, mask=mask, cache_modifier=".cg")
@@ -40,18 +40,21 @@ def one_pair(DST, SRC, SCALE, d, s, offs, ok, KIND: tl.constexpr, W: tl.constexp
         else:
             xf = fp8_e4m3_to_f32(raw)
         scale = tl.load(SCALE + s * (W // R) + offs // R, mask=mask, other=0.0)
+        y = xf * scale
+        if H > 0:  # key factors [H, R]: item s is KV head s % H
+            y = y * tl.load(FACTOR + (s % H) * R + offs % R, mask=mask, other=0.0)
         if BF16:  # DST is the bf16 buffer seen as int16
-            x = f32_to_bf16_bits(xf * scale)
+            x = f32_to_bf16_bits(y)
         else:
-            x = (xf * scale).to(DST.dtype.element_ty)
+            x = y.to(DST.dtype.element_ty)
     tl.store(DST + d * W + offs, x, mask=mask)
 
 
 @triton.jit
-def copy_dequant_kernel(DST_IDX, SRC_IDX, D0, S0, C0, D1, S1, C1, D2, S2, C2, NPAIRS: tl.constexpr,
-                        K0: tl.constexpr, W0: tl.constexpr, R0: tl.constexpr, B0: tl.constexpr,
-                        K1: tl.constexpr, W1: tl.constexpr, R1: tl.constexpr, B1: tl.constexpr,
-                        K2: tl.constexpr, W2: tl.constexpr, R2: tl.constexpr, B2: tl.constexpr,
+def copy_dequant_kernel(DST_IDX, SRC_IDX, D0, S0, C0, F0, D1, S1, C1, F1, D2, S2, C2, F2, NPAIRS: tl.constexpr,
+                        K0: tl.constexpr, W0: tl.constexpr, R0: tl.constexpr, B0: tl.constexpr, H0: tl.constexpr,
+                        K1: tl.constexpr, W1: tl.constexpr, R1: tl.constexpr, B1: tl.constexpr, H1: tl.constexpr,
+                        K2: tl.constexpr, W2: tl.constexpr, R2: tl.constexpr, B2: tl.constexpr, H2: tl.constexpr,
                         CHUNK: tl.constexpr):
     m = tl.program_id(0)
     offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
@@ -59,8 +62,8 @@ def copy_dequant_kernel(DST_IDX, SRC_IDX, D0, S0, C0, D1, S1, C1, D2, S2, C2, NP
     ok = s >= 0
     d = tl.where(ok, tl.load(DST_IDX + m), 0)  # a padded entry's dst may be anything: never use it
     s = tl.where(ok, s, 0)
-    one_pair(D0, S0, C0, d, s, offs, ok, K0, W0, R0, B0)
+    one_pair(D0, S0, C0, F0, d, s, offs, ok, K0, W0, R0, B0, H0)
     if NPAIRS > 1:
-        one_pair(D1, S1, C1, d, s, offs, ok, K1, W1, R1, B1)
+        one_pair(D1, S1, C1, F1, d, s, offs, ok, K1, W1, R1, B1, H1)
     if NPAIRS > 2:
-        one_pair(D2, S2, C2, d, s, offs, ok, K2, W2, R2, B2)
+        one_pair(D2, S2, C2, F2, d, s, offs, ok, K2, W2, R2, B2, H2)

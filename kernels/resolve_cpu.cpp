@@ -97,6 +97,25 @@ inline uint16_t bf16_bits(float x) {
     return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// One row of ``per`` dequantized values: value(e) * s (* fac[e]) into ``out`` (bf16 bits or float32).
+// The branches are taken once per row, so each loop is a plain one the compiler can vectorise.
+template <class Value>
+inline void dequant_row(bool bf16, int64_t per, float s, const float* fac, char* out, Value value) {
+    if (bf16) {
+        uint16_t* o = reinterpret_cast<uint16_t*>(out);
+        if (fac == nullptr)
+            for (int64_t e = 0; e < per; ++e) o[e] = bf16_bits(value(e) * s);
+        else
+            for (int64_t e = 0; e < per; ++e) o[e] = bf16_bits(value(e) * s * fac[e]);
+    } else {
+        float* o = reinterpret_cast<float*>(out);
+        if (fac == nullptr)
+            for (int64_t e = 0; e < per; ++e) o[e] = value(e) * s;
+        else
+            for (int64_t e = 0; e < per; ++e) o[e] = value(e) * s * fac[e];
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -104,12 +123,15 @@ extern "C" {
 // copy_items from a quantized host pool (nosa.kvquant): for buffer b, kind[b] 0 copies item_bytes[b]
 // bytes as nosa_copy_items does; 1 (int8) and 2 (float8_e4m3fn) dequantize the item's elems[b]
 // one-byte values, row[b] per scale (scale[b]: float32 per row), into float32 (out_bf16[b] 0) or
-// bfloat16 (1): float(q) * scale, rounded once, exactly nosa.kvquant.dequantize. Returns -1, copying
-// nothing, if an index (src_idx >= 0) is outside [0, dst_items) / [0, src_items); else 0.
+// bfloat16 (1): float(q) * scale (* factor), rounded once, exactly nosa.kvquant.dequantize.
+// factor[b]: null, or the key factors [hkv[b], row[b]] float32, item s being KV head s % hkv[b].
+// Returns -1, copying nothing, if an index (src_idx >= 0) is outside [0, dst_items) /
+// [0, src_items); else 0.
 int64_t nosa_copy_items_dequant(int64_t nbufs, char* const* dst, char* const* src, char* const* scale,
-                                const int64_t* kind, const int64_t* out_bf16, const int64_t* item_bytes,
-                                const int64_t* elems, const int64_t* row, int64_t M, const int64_t* dst_idx,
-                                const int64_t* src_idx, int64_t dst_items, int64_t src_items) {
+                                char* const* factor, const int64_t* kind, const int64_t* out_bf16,
+                                const int64_t* item_bytes, const int64_t* elems, const int64_t* row,
+                                const int64_t* hkv, int64_t M, const int64_t* dst_idx, const int64_t* src_idx,
+                                int64_t dst_items, int64_t src_items) {
     static const Fp8Table fp8;
     if (!items_in_range(M, dst_idx, src_idx, dst_items, src_items)) return -1;
     for (int64_t b = 0; b < nbufs; ++b) {
@@ -123,22 +145,16 @@ int64_t nosa_copy_items_dequant(int64_t nbufs, char* const* dst, char* const* sr
             const int8_t* q = reinterpret_cast<const int8_t*>(src[b]) + src_idx[m] * n;
             const uint8_t* qb = reinterpret_cast<const uint8_t*>(q);
             const float* sc = reinterpret_cast<const float*>(scale[b]) + src_idx[m] * (n / per);
+            const float* fac = factor[b] == nullptr
+                ? nullptr : reinterpret_cast<const float*>(factor[b]) + (src_idx[m] % hkv[b]) * per;
             for (int64_t r = 0; r < n / per; ++r) {
                 const float s = sc[r];
                 const int64_t lo = r * per;
-                if (out_bf16[b]) {
-                    uint16_t* out = reinterpret_cast<uint16_t*>(dst[b]) + dst_idx[m] * n + lo;
-                    if (kind[b] == 1)
-                        for (int64_t e = 0; e < per; ++e) out[e] = bf16_bits(static_cast<float>(q[lo + e]) * s);
-                    else
-                        for (int64_t e = 0; e < per; ++e) out[e] = bf16_bits(fp8.value[qb[lo + e]] * s);
-                } else {
-                    float* out = reinterpret_cast<float*>(dst[b]) + dst_idx[m] * n + lo;
-                    if (kind[b] == 1)
-                        for (int64_t e = 0; e < per; ++e) out[e] = static_cast<float>(q[lo + e]) * s;
-                    else
-                        for (int64_t e = 0; e < per; ++e) out[e] = fp8.value[qb[lo + e]] * s;
-                }
+                char* out = dst[b] + (dst_idx[m] * n + lo) * (out_bf16[b] ? 2 : 4);
+                if (kind[b] == 1)
+                    dequant_row(out_bf16[b] != 0, per, s, fac, out, [&](int64_t e) { return float(q[lo + e]); });
+                else
+                    dequant_row(out_bf16[b] != 0, per, s, fac, out, [&](int64_t e) { return fp8.value[qb[lo + e]]; });
             }
         }
     }

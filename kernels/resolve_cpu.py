@@ -55,7 +55,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nosa_copy_items.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] \
         + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     lib.nosa_copy_items_dequant.restype = ctypes.c_int64
-    lib.nosa_copy_items_dequant.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] \
+    lib.nosa_copy_items_dequant.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 10 + [ctypes.c_int64] \
         + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
 
 
@@ -221,24 +221,29 @@ def copy_items_dequant(dst: list[torch.Tensor], src: list, dst_idx: torch.Tensor
     nosa.kernels.recall.check_dequant does): one pass per item, dequantized into bf16 / float32
     destinations exactly as nosa.kvquant.dequantize."""
     check_dequant(dst, src, dst_idx, src_idx)
-    kinds, out_bf16, item_bytes, elems, rows, datas, scales = [], [], [], [], [], [], []
+    kinds, out_bf16, item_bytes, elems, rows, heads, datas, scales, factors = [], [], [], [], [], [], [], [], []
     for d, s in zip(dst, src):
         scale = getattr(s, "scale", None)
         data = s if scale is None else s.data
         if scale is not None and d.dtype not in DEQUANT_OUT:
             raise ValueError(f"copy_items_dequant: the CPU kernel writes {DEQUANT_OUT}, not {d.dtype}")
+        factor = getattr(s, "factor", None)
         kinds.append(0 if scale is None else (1 if data.dtype == torch.int8 else 2))
         out_bf16.append(int(d.dtype == torch.bfloat16))
         item_bytes.append(d[0].numel() * d.element_size())
         elems.append(d[0].numel())
         rows.append(1 if scale is None else data.shape[-1])
+        heads.append(1 if factor is None else factor.shape[0])
         datas.append(data)
         scales.append(data if scale is None else scale)
+        factors.append(factor)
     dst_idx, src_idx = _dense(dst_idx), _dense(src_idx)
-    ints = torch.tensor([kinds, out_bf16, item_bytes, elems, rows], dtype=torch.long)
+    ints = torch.tensor([kinds, out_bf16, item_bytes, elems, rows, heads], dtype=torch.long)
+    factor_ptrs = (ctypes.c_void_p * len(factors))(*(None if f is None else f.data_ptr() for f in factors))
     done = library().nosa_copy_items_dequant(len(dst), _pointers(dst), _pointers(datas), _pointers(scales),
-                                             ints[0].data_ptr(), ints[1].data_ptr(), ints[2].data_ptr(),
-                                             ints[3].data_ptr(), ints[4].data_ptr(), dst_idx.numel(),
+                                             factor_ptrs, ints[0].data_ptr(), ints[1].data_ptr(),
+                                             ints[2].data_ptr(), ints[3].data_ptr(), ints[4].data_ptr(),
+                                             ints[5].data_ptr(), dst_idx.numel(),
                                              dst_idx.data_ptr(), src_idx.data_ptr(), dst[0].shape[0],
                                              datas[0].shape[0])
     if done < 0:

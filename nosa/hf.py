@@ -116,7 +116,7 @@ def nosa_attention_forward(
         capture(query, key, value)
 
     states: dict[int, NosaDecodeState] = module.__dict__.setdefault("_nosa_states", {})
-    host_dtype = None if module.training else module.__dict__.get("_nosa_host_kv_dtype")  # host_kv_dtype()
+    host_dtype = None if module.training else module.__dict__.get("_nosa_host_kv")  # host_kv_dtype(): (dtype, factor)
     if q_len > 1:
         states.clear()  # a new prefill starts new sequences
     if attention_mask is None and q_len == kv_len and (q_len > 1 or module.training):
@@ -224,29 +224,37 @@ def _decode(states, b, q, k_seq, v_seq, evict, cfg, scale, host_dtype=None) -> t
     return state.attend(q, kv, scale)
 
 
-def _as_host_pool_returns(k, v, host_dtype):
-    """(k, v) as a host pool of ``host_dtype`` gives them back (nosa.kvquant.roundtrip), or None
-    without one (``host_kv_dtype`` not active)."""
-    return None if host_dtype is None else (roundtrip(k, host_dtype), roundtrip(v, host_dtype))
+def _as_host_pool_returns(k, v, host_kv):
+    """(k, v) as a host pool gives them back (nosa.kvquant.roundtrip; ``host_kv``: (dtype, the int8
+    keys' factors [Hkv, D] or None)), or None without one (``host_kv_dtype`` not active)."""
+    if host_kv is None:
+        return None
+    dtype, factor = host_kv
+    return roundtrip(k, dtype, factor=factor), roundtrip(v, dtype)
 
 
 @contextlib.contextmanager
-def host_kv_dtype(model, dtype: torch.dtype | None):
+def host_kv_dtype(model, dtype: torch.dtype | None, key_factors: dict[int, torch.Tensor] | None = None):
     """While active, the NOSA layers of ``model`` attend (outside training) over K and V as a host
-    pool of ``dtype`` gives them back (nosa.kvquant.roundtrip: ``int8`` / ``float8_e4m3fn``), the
-    selection still reading the exact keys and eviction scores: what a server with
-    $NOSA_HOST_KV_DTYPE and offloading computes, the reference its replies are tested against."""
+    pool of ``dtype`` gives them back (nosa.kvquant.roundtrip: ``int8`` / ``float8_e4m3fn``; int8 keys
+    divided by ``key_factors``, {layer index: [Hkv, D]} as nosa.kv_calibrate.load_key_factors reads a
+    checkpoint's, when given), the selection still reading the exact keys and eviction scores: what a
+    server with $NOSA_HOST_KV_DTYPE and offloading computes, the reference its replies are tested
+    against."""
     modules = nosa_attention_modules(model)
     if not modules:
         raise ValueError(f"host_kv_dtype: {type(model).__name__} is not a NOSA model (nosa.convert it)")
+    if key_factors is not None and dtype != torch.int8:
+        raise ValueError(f"host_kv_dtype: key factors apply to int8 keys, not {dtype}")
     for _, m in modules:
-        m._nosa_host_kv_dtype = dtype
+        factor = None if key_factors is None else key_factors[m.layer_idx]
+        m._nosa_host_kv = None if dtype is None else (dtype, factor)
         m.__dict__.pop("_nosa_states", None)  # states built without it must not be reused
     try:
         yield model
     finally:
         for _, m in modules:
-            m.__dict__.pop("_nosa_host_kv_dtype", None)
+            m.__dict__.pop("_nosa_host_kv", None)
             m.__dict__.pop("_nosa_states", None)
 
 

@@ -68,7 +68,8 @@ def copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx
     if any(isinstance(t, QuantizedItems) for t in src):  # a quantized host pool: dequantize on the way
         if torch.compiler.is_compiling():
             torch.ops.nosa.copy_items_dequant(list(dst), [getattr(t, "data", t) for t in src],
-                                              [getattr(t, "scale", _NO_SCALE) for t in src], dst_idx, src_idx)
+                                              [getattr(t, "scale", _NO_SCALE) for t in src],
+                                              [_factor_or_none(t) for t in src], dst_idx, src_idx)
         else:
             _copy_items_dequant(dst, src, dst_idx, src_idx)
     elif torch.compiler.is_compiling():
@@ -123,18 +124,24 @@ def _(dst, src, dst_idx, src_idx) -> None:
     return None
 
 
-_NO_SCALE = torch.empty(0)  # the operator's scale of a pair copied as it is
+_NO_SCALE = torch.empty(0)  # the operator's scale (factor) of a pair copied as it is (without factors)
+
+
+def _factor_or_none(src) -> torch.Tensor:
+    factor = getattr(src, "factor", None)
+    return _NO_SCALE if factor is None else factor
 
 
 @torch.library.custom_op("nosa::copy_items_dequant", mutates_args=("dst",))
 def _copy_items_dequant_op(dst: list[torch.Tensor], data: list[torch.Tensor], scale: list[torch.Tensor],
-                           dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
-    src = [t if c.numel() == 0 else QuantizedItems(t, c, d.dtype) for d, t, c in zip(dst, data, scale)]
+                           factor: list[torch.Tensor], dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
+    src = [t if c.numel() == 0 else QuantizedItems(t, c, d.dtype, f if f.numel() else None)
+           for d, t, c, f in zip(dst, data, scale, factor)]
     _copy_items_dequant(dst, src, dst_idx, src_idx)
 
 
 @_copy_items_dequant_op.register_fake
-def _(dst, data, scale, dst_idx, src_idx) -> None:
+def _(dst, data, scale, factor, dst_idx, src_idx) -> None:
     return None
 
 

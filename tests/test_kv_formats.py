@@ -16,6 +16,12 @@ def test_served_formats_are_the_spec_and_the_what_ifs_keep_their_bounds():
         assert k_rt(x).shape == x.shape and v_rt(x).shape == x.shape, name
     int8_k, _, _ = kv_formats.FORMATS["int8"]
     assert torch.equal(int8_k(x), kvquant.roundtrip(x, torch.int8))
+    # served int8 keys divide by the layer's key factors [H, D] when the checkpoint has them
+    factor = kvquant.key_factors(x.abs().amax(dim=(0, 2)).float())
+    assert torch.equal(int8_k(x, factor), kvquant.roundtrip(x, torch.int8, factor=factor[:, None, :]))
+    assert not torch.equal(int8_k(x, factor), int8_k(x))
+    unfactored, _, kind = kv_formats.FORMATS["int8, no key factors"]
+    assert kind == "unfactored" and torch.equal(unfactored(x, factor), int8_k(x))
     # a large per-channel offset (all of a block's tokens share it): removing the block mean first leaves
     # fp8 only the spread around it, and per-channel int8 scales fit each channel's own range
     f8 = kvquant.roundtrip(x, torch.float8_e4m3fn)
@@ -81,3 +87,37 @@ def test_a_window_layer_keeps_its_kv_exact(tmp_path, monkeypatch):
         logits = model.eval()(row).logits[0, -49:-1].float()
     nll = torch.nn.functional.cross_entropy(logits, row[0, -48:])
     assert out["exact_ppl"] == pytest.approx(float(nll.exp()), rel=1e-5)
+
+
+def test_kv_calibrate_writes_factors_that_follow_the_keys_ranges(tiny_model, tmp_path):
+    """python -m nosa.kv_calibrate on a tiny Llama whose layer 0 has one key channel pair 50x larger
+    (k_proj rows 3 and 3 + D/2: RoPE rotates them into each other): that layer's factors are 1 there and
+    small elsewhere, layer 1's are not; each head's largest factor is 1, none below the floor; the
+    file is what the server and the benchmarks load."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from nosa import kv_calibrate
+
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(tiny_model, path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    d = model.config.hidden_size // model.config.num_attention_heads
+    with torch.no_grad():
+        w = model.model.layers[0].self_attn.k_proj.weight
+        for h in range(model.config.num_key_value_heads):
+            w[h * d + 3] *= 50
+            w[h * d + 3 + d // 2] *= 50
+    model.save_pretrained(path)
+    assert kv_calibrate.main([path, "--length", "64", "--windows", "1"]) == 0
+    factors = kv_calibrate.load_key_factors(path)
+    assert sorted(factors) == [0, 1] and factors[0].shape == (2, d)
+    for f in factors.values():
+        assert torch.allclose(f.amax(dim=-1), torch.ones(2)) and float(f.min()) >= kvquant.FACTOR_FLOOR
+    big = [3, 3 + d // 2]
+    rest = [c for c in range(d) if c not in big]
+    assert float(factors[0][:, big].max(dim=-1).values.min()) == 1.0
+    assert float(factors[0][:, rest].max()) < 0.2 < float(factors[1][:, rest].max())
+    with pytest.raises(SystemExit):
+        kv_calibrate.main([path, "--windows", "0"])

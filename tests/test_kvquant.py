@@ -5,7 +5,7 @@ spec, bit for bit. The Triton kernel runs under TRITON_INTERPRET=1 without CUDA 
 import pytest
 import torch
 
-from nosa import kvquant, ops
+from nosa import kv_calibrate, kvquant, ops
 from nosa.kernels import resolve_cpu
 from nosa.kernels.recall import copy_items_dequant_reference, copy_items_dequant_triton
 from nosa.kvquant import QuantizedItems, dequantize, error_bound, quantize
@@ -72,6 +72,54 @@ def test_a_filling_block_roundtrips_as_the_complete_block_will():
             assert torch.equal(q_n.view(torch.uint8), q_all[:n].view(torch.uint8)) and torch.equal(s_n, s_all[:n])
 
 
+def test_key_factors_shrink_int8_error_on_keys_with_outlier_channels():
+    """Keys with a few large channels: with the key factors every channel keeps its share of int8's
+    levels (the round trip stays within its bound), and the small channels' error shrinks by about
+    the outlier's size; dividing but not multiplying back (a dequantize that forgot the factors) is
+    far off."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 2, 64, generator=g)
+    x[..., 5] *= 30
+    x[..., 40] *= -12
+    factor = kvquant.key_factors(x.abs().amax(dim=0))  # [2, 64] calibrated on the keys themselves
+    assert factor.shape == (2, 64) and float(factor.max()) == 1.0 and float(factor.min()) >= kvquant.FACTOR_FLOOR
+    q, scale = quantize(x, torch.int8, factor=factor)
+    back = dequantize(q, scale, torch.float32, factor)
+    err = (back - x).abs()
+    assert bool((err <= error_bound(x, torch.int8, factor) * (1 + 1e-6)).all())
+    plain = (kvquant.roundtrip(x, torch.int8) - x).abs()
+    small = [c for c in range(64) if c not in (5, 40)]
+    assert float(err[..., small].mean()) < float(plain[..., small].mean()) / 5
+    assert float((dequantize(q, scale, torch.float32) - x).abs().mean()) > 10 * float(err.mean())
+
+
+def test_key_factors_floor_and_heads_without_data():
+    amax = torch.tensor([[4.0, 2.0, 0.0, 1e-6], [0.0, 0.0, 0.0, 0.0]])
+    f = kvquant.key_factors(amax)
+    assert torch.equal(f[0], torch.tensor([1.0, 0.5, kvquant.FACTOR_FLOOR, kvquant.FACTOR_FLOOR]))
+    assert torch.equal(f[1], torch.ones(4))  # calibration saw only zeros: plain per-token scales
+
+
+def test_key_factors_file_roundtrip_and_bad_files(tmp_path):
+    factors = {0: key_like_factors(2, 8), 5: key_like_factors(2, 8, seed=1)}
+    assert kv_calibrate.load_key_factors(str(tmp_path)) is None  # none written: the server uses no factors
+    path = kv_calibrate.save_key_factors(str(tmp_path), factors, {"calibration": "test"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [kvquant.KEY_FACTORS_FILE]  # no temporary left
+    got = kv_calibrate.load_key_factors(str(tmp_path))
+    assert got.keys() == factors.keys() and all(torch.equal(got[i], factors[i]) for i in factors)
+    with pytest.raises(ValueError, match="finite positive"):
+        kv_calibrate.save_key_factors(str(tmp_path), {0: torch.zeros(2, 8)}, {})
+    assert torch.equal(kv_calibrate.load_key_factors(str(tmp_path))[5], factors[5])  # the old file is intact
+    from safetensors.torch import save_file
+
+    save_file({"layers.1.v": torch.ones(2, 8)}, path)
+    with pytest.raises(ValueError, match=r"unexpected tensor 'layers.1.v'"):
+        kv_calibrate.load_key_factors(str(tmp_path))
+    save_file({"layers.1.k": -torch.ones(2, 8)}, path)
+    with pytest.raises(ValueError, match="finite positive factors"):
+        kv_calibrate.load_key_factors(str(tmp_path))
+
+
 def test_host_kv_dtype_names():
     assert kvquant.host_kv_dtype(None, torch.bfloat16) == torch.bfloat16
     assert kvquant.host_kv_dtype("bfloat16", torch.bfloat16) == torch.bfloat16
@@ -89,26 +137,43 @@ def test_host_bytes_per_token_at_most_055_of_bf16(head_dim):
 
 
 # ---- the recall ----------------------------------------------------------------------------------
-def quantized_pool(items, block, d, fmt, dtype, seed=0):
+def key_like_factors(hkv, d, seed=0):
+    """Key factors [hkv, d] as nosa.kvquant.key_factors makes them: channel 3 the largest."""
+    g = torch.Generator().manual_seed(seed)
+    amax = torch.rand(hkv, d, generator=g) + 0.5
+    amax[:, 3] = 40.0
+    return kvquant.key_factors(amax)
+
+
+def quantized_pool(items, block, d, fmt, dtype, seed=0, hkv=None):
     """A host pool of ``items`` (block, KV head) items: K and V quantized, cis float32; values with
-    an outlier channel and a few all-zero tokens."""
+    an outlier channel and a few all-zero tokens. ``hkv``: K with key factors for that many KV heads
+    (item m is head m % hkv)."""
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(items, block, d, generator=g) * 2
     k[..., 3] *= 40  # an outlier channel
     v = torch.randn(items, block, d, generator=g)
     v[0, :5] = 0
     cis = torch.randn(items, block, generator=g)
-    qk, qv = (QuantizedItems(*quantize(t.to(dtype), fmt), dtype) for t in (k, v))
+    factor = None if hkv is None else key_like_factors(hkv, d)
+    per_item = None if factor is None else factor[torch.arange(items) % hkv, None]
+    qk = QuantizedItems(*quantize(k.to(dtype), fmt, factor=per_item), dtype, factor)
+    qv = QuantizedItems(*quantize(v.to(dtype), fmt), dtype)
     return qk, qv, cis
 
 
 def spec(dst, src, dst_idx, src_idx):
-    """A plain loop: dst item d <- dequantize(src item s) for each pair with s >= 0."""
+    """A plain loop: dst item d <- dequantize(src item s) for each pair with s >= 0 (item s of a
+    source with key factors is KV head s % Hkv)."""
     out = [t.clone() for t in dst]
     for d, s in zip(dst_idx.tolist(), src_idx.tolist()):
         if s >= 0:
             for o, x in zip(out, src):
-                o[d] = dequantize(x.data[s], x.scale[s], o.dtype) if isinstance(x, QuantizedItems) else x[s]
+                if not isinstance(x, QuantizedItems):
+                    o[d] = x[s]
+                    continue
+                factor = None if x.factor is None else x.factor[s % x.factor.shape[0]]
+                o[d] = dequantize(x.data[s], x.scale[s], o.dtype, factor)
     return out
 
 
@@ -117,21 +182,20 @@ IMPLS = {"reference": copy_items_dequant_reference, "triton": copy_items_dequant
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,hkv", [(torch.int8, None), (torch.float8_e4m3fn, None), (torch.int8, 3)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_recall_dequantizes_exactly_as_the_spec(impl, fmt, dtype):
+def test_recall_dequantizes_exactly_as_the_spec(impl, fmt, hkv, dtype):
     block, d, slots = 16, 32, 9
-    qk, qv, cis = quantized_pool(12, block, d, fmt, dtype)
-    src = [QuantizedItems(qk.data.to(DEVICE), qk.scale.to(DEVICE), dtype),
+    qk, qv, cis = quantized_pool(12, block, d, fmt, dtype, hkv=hkv)
+    factor = None if qk.factor is None else qk.factor.to(DEVICE)
+    src = [QuantizedItems(qk.data.to(DEVICE), qk.scale.to(DEVICE), dtype, factor),
            QuantizedItems(qv.data.to(DEVICE), qv.scale.to(DEVICE), dtype), cis.to(DEVICE)]
     dst = [torch.zeros(slots, block, d, dtype=dtype, device=DEVICE), torch.zeros(slots, block, d, dtype=dtype,
                                                                               device=DEVICE),
            torch.zeros(slots, block, device=DEVICE)]
     dst_idx = torch.tensor([4, 0, 8, 2, 7, 5], device=DEVICE)
     src_idx = torch.tensor([11, 0, -1, 6, 3, -1], device=DEVICE)  # -1: padding, its dst never written
-    want = spec([t.cpu() for t in dst], [QuantizedItems(qk.data, qk.scale, dtype), QuantizedItems(qv.data, qv.scale,
-                                                                                                   dtype), cis],
-                dst_idx.cpu(), src_idx.cpu())
+    want = spec([t.cpu() for t in dst], [qk, qv, cis], dst_idx.cpu(), src_idx.cpu())
     if impl == "cpu_kernel" and (DEVICE == "cuda" or resolve_cpu.library() is None):
         pytest.skip("the C++ loop runs on CPU tensors, with a C++ compiler")
     IMPLS[impl](dst, src, dst_idx, src_idx)
@@ -152,6 +216,8 @@ def test_recall_of_a_quantized_pool_rejects_bad_input():
         ops.copy_items([dst[0]], [QuantizedItems(qk.data, qk.scale.half(), torch.bfloat16)], idx, idx)
     with pytest.raises(ValueError, match="int64"):
         ops.copy_items(dst, [qk, qv, cis], idx.int(), idx)
+    with pytest.raises(ValueError, match=r"key factors must be contiguous float32 \[Hkv, D\]"):
+        ops.copy_items([dst[0]], [qk._replace(factor=torch.ones(2, 8))], idx, idx)
     with pytest.raises(ValueError, match="outside"):
         copy_items_dequant_reference(dst, [qk, qv, cis], idx, torch.tensor([0, 4]))
 

@@ -29,15 +29,20 @@ F8, I8 = torch.float8_e4m3fn, torch.int8
 WHATIF_BLOCK = 64  # tokens per block of the what-if layouts (the serving block of SmolLM2's checkpoints)
 
 
-def per_token(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The served format (nosa.kvquant): one scale per token and KV head. x [B, H, T, D]."""
-    return lambda x: kvquant.roundtrip(x, dtype)
+def per_token(dtype: torch.dtype, keys: bool = False) -> Callable:
+    """The served format (nosa.kvquant): one scale per token and KV head; ``keys``: divided by the
+    layer's key factors first when the checkpoint has them (served int8 keys). rt(x [B, H, T, D], factor
+    [H, D] or None)."""
+    def rt(x: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Tensor:
+        f = factor[:, None, :] if keys and factor is not None else None
+        return kvquant.roundtrip(x, dtype, factor=f)
+    return rt
 
 
-def block_mean_removed(dtype: torch.dtype, block: int = WHATIF_BLOCK) -> Callable[[torch.Tensor], torch.Tensor]:
+def block_mean_removed(dtype: torch.dtype, block: int = WHATIF_BLOCK) -> Callable:
     """What-if: each block of ``block`` tokens less its per-channel mean (kept exact, D floats per block
     and KV head), the rest in the per-token format."""
-    def rt(x: torch.Tensor) -> torch.Tensor:
+    def rt(x: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(x)
         for s in range(0, x.shape[2], block):
             xs = x[:, :, s:s + block].float()
@@ -47,9 +52,9 @@ def block_mean_removed(dtype: torch.dtype, block: int = WHATIF_BLOCK) -> Callabl
     return rt
 
 
-def per_channel(dtype: torch.dtype, block: int = WHATIF_BLOCK) -> Callable[[torch.Tensor], torch.Tensor]:
+def per_channel(dtype: torch.dtype, block: int = WHATIF_BLOCK) -> Callable:
     """What-if (KIVI's keys): one scale per channel and KV head over each block of ``block`` tokens."""
-    def rt(x: torch.Tensor) -> torch.Tensor:
+    def rt(x: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(x)
         for s in range(0, x.shape[2], block):
             xs = x[:, :, s:s + block].transpose(-1, -2)
@@ -58,14 +63,17 @@ def per_channel(dtype: torch.dtype, block: int = WHATIF_BLOCK) -> Callable[[torc
     return rt
 
 
-def exact(x: torch.Tensor) -> torch.Tensor:
+def exact(x: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Tensor:
     return x
 
 
-# name -> (K's round trip, V's round trip, kind): "served" (a NOSA_HOST_KV_DTYPE), "apart" (a served
-# format on K or V alone, the other exact: which one it loses on), "what-if" (a layout not served)
+# name -> (K's round trip, V's round trip, kind): "served" (a NOSA_HOST_KV_DTYPE: int8 keys with the
+# checkpoint's key factors when it has them), "unfactored" (served int8 on a checkpoint without key
+# factors), "apart" (a served format on K or V alone, the other exact: which one it loses on),
+# "what-if" (a layout not served)
 FORMATS: dict[str, tuple[Callable, Callable, str]] = {
-    "int8": (per_token(I8), per_token(I8), "served"),
+    "int8": (per_token(I8, keys=True), per_token(I8), "served"),
+    "int8, no key factors": (per_token(I8), per_token(I8), "unfactored"),
     "float8_e4m3fn": (per_token(F8), per_token(F8), "served"),
     "float8_e4m3fn, K only": (per_token(F8), exact, "apart"),
     "float8_e4m3fn, V only": (exact, per_token(F8), "apart"),
@@ -82,14 +90,16 @@ def offloaded(module) -> bool:
 
 
 def _attention(state: dict):
-    """An HF attention function: SDPA over K and V round-tripped as ``state["format"]`` says."""
+    """An HF attention function: SDPA over K and V round-tripped as ``state["format"]`` says (with the
+    layer's key factors, ``state["factors"]``, where the format takes them)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward  # optional: transformers
 
     def forward(module, query, key, value, attention_mask, **kwargs):
         name = state.get("format")
         if name is not None and offloaded(module):
             k_rt, v_rt, _ = FORMATS[name]
-            key, value = k_rt(key), v_rt(value)
+            factors = state.get("factors") or {}
+            key, value = k_rt(key, factors.get(module.layer_idx)), v_rt(value)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return forward
 
@@ -116,7 +126,9 @@ def measure(model_path: str, length: int, windows: int, formats: list[str], prog
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise SystemExit(f"bench_kv_formats: unknown formats {unknown}; known: {list(FORMATS)}")
-    state: dict = {}
+    from nosa.kv_calibrate import load_key_factors  # optional: safetensors (the checkpoint reader's)
+
+    state: dict = {"factors": load_key_factors(model_path)}
     AttentionInterface.register(ATTENTION, _attention(state))
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # SDPA's masks: sliding windows included
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -153,4 +165,4 @@ def measure(model_path: str, length: int, windows: int, formats: list[str], prog
     layers = [m for m in model.modules() if hasattr(m, "k_proj")]
     return {"model": model_path, "length": length, "windows": windows, "scored_positions": windows * tail,
             "exact_ppl": math.exp(ref_nll), "layers_quantized": sum(map(offloaded, layers)), "layers": len(layers),
-            "formats": out}
+            "key_factors": state["factors"] is not None, "formats": out}

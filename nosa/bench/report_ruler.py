@@ -275,7 +275,10 @@ def kv_formats(root: Path, path: str = KV_FORMATS) -> str:
     rows = []
     for r in data["formats"]:
         size = f"{r['bytes_per_token_vs_bf16']:.2f}x" if "bytes_per_token_vs_bf16" in r else "-"
-        label = {"served": "", "apart": " (the other exact)", "what-if": " (what-if, not served)"}[r["kind"]]
+        label = {"served": "", "apart": " (the other exact)", "what-if": " (what-if, not served)",
+                 "unfactored": " (served on a checkpoint without them)"}[r["kind"]]
+        if r["kind"] == "served" and r["format"] == "int8" and data.get("key_factors"):
+            label = ", K divided by the checkpoint's key factors"
         rows.append([r["format"] + label, f"{r['kl']:.5f}",
                      pct(r["greedy_agreement"]), f"{r['ppl_ratio']:.4f}", size])
     header = ["K and V as the host pool returns them", "KL(exact ‖ format), mean per position",

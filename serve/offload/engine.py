@@ -50,7 +50,10 @@ class OffloadEngine:
     @classmethod
     def start(cls, model_runner, cfg, num_layers: int, num_kv_heads: int, head_dim: int) -> "OffloadEngine":
         """Validate the settings, check that the host pool hooks took effect, build the parts."""
+        from nosa.checkpoint_format import nosa_layers  # optional: server start-up only
+        from nosa.serve.checkpoint import resolve_model_dir  # optional: server start-up only
         from nosa.serve.offload import host_pool  # optional: sglang (the decode harness builds engines without it)
+        from nosa.serve.parallel import KVHeadShard  # optional: server start-up only
 
         settings = OffloadSettings.from_env()
         settings.validate(cfg, model_runner.server_args.page_size)
@@ -62,6 +65,11 @@ class OffloadEngine:
                                  "other backends cannot read the host pool")
         host_pool.verify(model_runner, settings, cfg)
         pool = model_runner.token_to_kv_pool
+        text_config = model_runner.model_config.hf_text_config
+        factors = host_pool.install_key_factors(
+            pool, resolve_model_dir(model_runner.model_config.model_path), nosa_layers(text_config),
+            KVHeadShard.of_process(text_config, model_runner.server_args))
+        logger.info("nosa offloading: host KV %s, %s", getattr(pool, "kv_dtype", None), factors)
         scheduler = None
         if settings.schedule:
             scheduler = RecallScheduler(num_layers, settings.chunk_items)
@@ -119,7 +127,8 @@ class OffloadEngine:
         if isinstance(host[0], QuantizedItems):
             # the new token goes into its device slot as a recall would bring it back (quantized, then
             # dequantized): attention reads every token the same way, however long its block stays resident
-            new_tokens = new_tokens._replace(k=roundtrip(new_tokens.k, host[0].data.dtype, check_finite=False),
+            new_tokens = new_tokens._replace(k=roundtrip(new_tokens.k, host[0].data.dtype, check_finite=False,
+                                                         factor=host[0].factor),
                                              v=roundtrip(new_tokens.v, host[1].data.dtype, check_finite=False))
         return self.cache.resolve_layer(layer, inputs.groups, wanted.blocks, inputs.lengths, pages, host, new_tokens,
                                         inputs.warm, inputs.real, prefetched)

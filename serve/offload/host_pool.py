@@ -20,7 +20,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from nosa import kvquant
+from nosa import kv_calibrate, kvquant
 from nosa.checkpoint_format import nosa_layers
 from nosa.kvquant import QuantizedItems
 from nosa.serve.checkpoint import load_nosa_config, resolve_model_dir
@@ -40,6 +40,7 @@ class HostKVPool(MHATokenToKVPool):
     use_hnd = property(lambda self: True, lambda self, value: None)
     nosa_layer_ids: tuple[int, ...] | None = None  # the model's layers with NOSA attention (None: all)
     host_kv_dtype_name: str = "auto"  # $NOSA_HOST_KV_DTYPE (nosa.kvquant)
+    key_factors: list[torch.Tensor] | None = None  # int8 keys' factors [Hkv, D] per NOSA layer (set_key_factors)
 
     def _create_buffers_normal(self):
         mine = range(self.start_layer, self.start_layer + self.layer_num)
@@ -77,11 +78,24 @@ class HostKVPool(MHATokenToKVPool):
         if views is None or views[2].data_ptr() != self.cis_buffer[i].data_ptr():
             k, v = self.k_buffer[i].flatten(0, 1), self.v_buffer[i].flatten(0, 1)
             if self.quantized:  # recalls dequantize them into the device cache (nosa.ops.copy_items)
-                k = QuantizedItems(k, self.k_scale[i].flatten(0, 1), self.dtype)
+                factor = None if self.key_factors is None else self.key_factors[i]
+                k = QuantizedItems(k, self.k_scale[i].flatten(0, 1), self.dtype, factor)
                 v = QuantizedItems(v, self.v_scale[i].flatten(0, 1), self.dtype)
             views = (k, v, self.cis_buffer[i].flatten(0, 1))
             self.__dict__.setdefault("_item_views", {})[i] = views
         return views
+
+    def set_key_factors(self, factors: list[torch.Tensor]) -> None:
+        """Install the int8 keys' factors (nosa.kvquant; [Hkv, D] per NOSA layer, this rank's heads),
+        before any token is written: every key is then quantized and recalled with them."""
+        if self.kv_dtype != torch.int8:
+            raise ValueError(f"nosa offloading: key factors apply to an int8 host pool, not {self.kv_dtype}")
+        want = (self.head_num, self.head_dim)
+        if len(factors) != len(self.k_buffer) or any(tuple(f.shape) != want for f in factors):
+            raise ValueError(f"nosa offloading: expected {len(self.k_buffer)} key factor tables of shape {want}, got "
+                             f"{[tuple(f.shape) for f in factors]}")
+        self.key_factors = [f.to(self.device, torch.float32).contiguous() for f in factors]
+        self.__dict__.pop("_item_views", None)  # the items carry them
 
     def token_rows(self, loc: torch.Tensor) -> torch.Tensor:
         """[T] token slots -> [T, Hkv] rows of the [P*Hkv*B, D] view (row of token s, head h); once
@@ -116,6 +130,34 @@ class HostKVPool(MHATokenToKVPool):
 
     def load_cpu_copy(self, *args, **kwargs):
         raise NotImplementedError("nosa offloading: the KV already lives in host memory (no CPU copy path)")
+
+
+def install_key_factors(pool, model_dir: str, layers: list[int], shard) -> str:
+    """An int8 host pool's key factors (nosa.kvquant: the checkpoint's KEY_FACTORS_FILE, written by
+    ``python -m nosa.kv_calibrate``), for the NOSA ``layers`` and this rank's KV heads (``shard``:
+    nosa.serve.parallel.KVHeadShard; SGLang's padding heads get ones). Returns what it did, for the
+    log. Without the file the keys keep one scale per token; a file that does not fit the model is an
+    error naming it."""
+    if getattr(pool, "kv_dtype", None) != torch.int8:
+        return "no key factors (not an int8 host pool)"
+    with backend_errors():
+        factors = kv_calibrate.load_key_factors(model_dir)
+    if factors is None:
+        logger.warning("nosa offloading: %s has no %s: int8 keys are scaled per token only, which costs accuracy on "
+                       "keys with outlier channels; write it with: python -m nosa.kv_calibrate %s",
+                       model_dir, kvquant.KEY_FACTORS_FILE, model_dir)
+        return "no key factors (none in the checkpoint)"
+    tables = []
+    for layer in layers:
+        f = factors.get(layer)
+        if f is None or tuple(f.shape) != (shard.real, pool.head_dim):
+            got = "none" if f is None else tuple(f.shape)
+            raise ValueError(f"nosa offloading: {model_dir}/{kvquant.KEY_FACTORS_FILE}: layer {layer} needs key "
+                             f"factors [{shard.real}, {pool.head_dim}], found {got}; rerun python -m nosa.kv_calibrate")
+        ones = torch.ones(pool.head_dim)
+        tables.append(torch.stack([f[h] if h < shard.real else ones for h in shard.heads()]))
+    pool.set_key_factors(tables)
+    return f"int8 key factors from {kvquant.KEY_FACTORS_FILE}"
 
 
 def _pin(buf: torch.Tensor) -> None:

@@ -45,6 +45,12 @@ class OffloadKV:
         rows = self.pool.token_rows(self.req_to_token[self.metadata.rows[i], lo:hi]).to(self.device)  # [n, Hkv]
         src = self.host[which]
         width = src.shape[-1] if which < 2 else 1
+        if isinstance(src, QuantizedItems) and src.factor is not None:  # keys with factors: token row's head
+            at = rows.flatten().to(src.data.device)
+            head = (at // self.block) % src.factor.shape[0]
+            data, scale = src.data.view(-1, width).index_select(0, at), src.scale.view(-1).index_select(0, at)
+            out = kvquant.dequantize(data, scale, src.dtype, src.factor.to(at.device)[head])
+            return out.to(self.device).view(*rows.shape, width)
         out = torch.empty(rows.numel(), width, dtype=src.dtype, device=self.device)
         if isinstance(src, QuantizedItems):  # token rows [P*Hkv*B, D] with one scale each
             tokens = QuantizedItems(src.data.view(-1, width), src.scale.view(-1), src.dtype)
@@ -159,8 +165,11 @@ def write_kv_rows(k_items, v_items, k_new: torch.Tensor, v_new: torch.Tensor, ro
     if not isinstance(k_items, QuantizedItems):
         write_token_rows([k_items.view(-1, d[0]), v_items.view(-1, d[1]), *extra[0]], [k_new, v_new, *extra[1]], rows)
         return
-    (qk, sk), (qv, sv) = (kvquant.quantize(x, items.data.dtype, check_finite=False)
-                          for x, items in ((k_new, k_items), (v_new, v_items)))
+    factor = k_items.factor  # int8 keys' factors [Hkv, D]: rows of k_new are (token, KV head), head-minor
+    qk, sk = kvquant.quantize(k_new if factor is None else k_new.view(-1, *factor.shape), k_items.data.dtype,
+                              check_finite=False, factor=factor)
+    qk, sk = qk.view(-1, d[0]), sk.view(-1)
+    qv, sv = kvquant.quantize(v_new, v_items.data.dtype, check_finite=False)
     write_token_rows([k_items.data.view(-1, d[0]), k_items.scale.view(-1, 1), v_items.data.view(-1, d[1]),
                       v_items.scale.view(-1, 1), *extra[0]], [qk, sk[:, None], qv, sv[:, None], *extra[1]], rows)
 

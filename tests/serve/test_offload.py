@@ -5,7 +5,9 @@ checkpoint with non-zero eviction heads on every KV head.
   page size = block size, chunked prefill of 128, radix cache on;
 - ``off``: the session's ``nosa_server`` (tests/serve/conftest.py): the same checkpoint, the same
   chunked prefill and context length, offloading off (the KV in SGLang's pool);
-- ``int8``: ``on`` with an int8 host pool ($NOSA_HOST_KV_DTYPE);
+- ``int8``: ``on`` with an int8 host pool ($NOSA_HOST_KV_DTYPE), on a copy of the checkpoint with
+  key factors (nosa.kvquant.KEY_FACTORS_FILE: most channels at the floor, so a server that ignored
+  them would answer otherwise);
 - ``fp8``: ``on`` with a float8_e4m3fn host pool plus the recall scheduler (chunks of 4 items, so
   prefetches get preempted), admission (each request owns 8 slots, borrows up to 2 more), W&B
   offline logging and SGLang's Prometheus metrics (--enable-metrics). One server for the quantized
@@ -18,6 +20,7 @@ Counters come from the file the backend writes when $NOSA_SERVE_STATS_FILE is se
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +37,7 @@ if _MISSING:
 import torch  # noqa: E402
 
 import nosa  # noqa: E402
+from nosa import kv_calibrate, kvquant  # noqa: E402
 from nosa.bench.server.process import ServerProcess, stop_all  # noqa: E402
 
 CFG = nosa.NosaConfig.tiny(dense_len=64)  # budget 8 blocks x 16 tokens = 128 tokens per request
@@ -47,8 +51,28 @@ LONG = [(300, 11), (457, 12), (40, 3), (333, 13)]  # one dense (40 <= dense_len 
 NEW = 12
 
 
+def key_factors_for(ckpt: str) -> dict[int, torch.Tensor]:
+    """Key factors for every layer of the tiny checkpoint, as nosa.kvquant.key_factors makes them from
+    a range with two large channels: the rest sit at the floor."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(ckpt).get_text_config()
+    hkv, d = text.num_key_value_heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    amax = torch.full((hkv, d), 0.1)
+    amax[:, 1], amax[:, d // 2 + 1] = 30.0, 12.0
+    return {layer: kvquant.key_factors(amax) for layer in range(text.num_hidden_layers)}
+
+
 @pytest.fixture(scope="module")
-def servers(tiny_nosa_checkpoint, tmp_path_factory, nosa_server):
+def factored_checkpoint(tiny_nosa_checkpoint, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("factored") / "nosa")
+    shutil.copytree(tiny_nosa_checkpoint, path)
+    kv_calibrate.save_key_factors(path, key_factors_for(path), {"calibration": "test"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_nosa_checkpoint, factored_checkpoint, tmp_path_factory, nosa_server):
     ckpt = tiny_nosa_checkpoint
     logs = tmp_path_factory.mktemp("logs")
     stats = str(logs / "stats.json")
@@ -56,8 +80,8 @@ def servers(tiny_nosa_checkpoint, tmp_path_factory, nosa_server):
         "on": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "on.log"),
                             env={**OFFLOAD_ENV, "NOSA_SERVE_STATS_FILE": stats}),
         "bad": ServerProcess(ckpt, [*COMMON, "--page-size", "1"], str(logs / "bad.log"), env=OFFLOAD_ENV),
-        "int8": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size)], str(logs / "int8.log"),
-                              env={**OFFLOAD_ENV, "NOSA_HOST_KV_DTYPE": "int8"}),
+        "int8": ServerProcess(factored_checkpoint, [*COMMON, "--page-size", str(CFG.block_size)],
+                              str(logs / "int8.log"), env={**OFFLOAD_ENV, "NOSA_HOST_KV_DTYPE": "int8"}),
         "fp8": ServerProcess(ckpt, [*COMMON, "--page-size", str(CFG.block_size), "--enable-metrics"],
                              str(logs / "fp8.log"),
                              env={**OFFLOAD_ENV, **SCHED_ENV, "NOSA_HOST_KV_DTYPE": "float8_e4m3fn",
@@ -113,25 +137,32 @@ def test_context_many_times_the_device_budget_equals_hf(servers, tiny_nosa_check
     assert servers["on"].generate(prompt, 10) == tiny.hf_greedy(model, prompt, 10)
 
 
-def test_quantized_host_kv_serves_the_hf_reference_with_the_same_roundtrip(servers, tiny_nosa_checkpoint):
+def test_quantized_host_kv_serves_the_hf_reference_with_the_same_roundtrip(servers, tiny_nosa_checkpoint,
+                                                                           factored_checkpoint):
     """int8 / fp8 host pools (nosa.kvquant): the replies equal the HF model attending over K and V
-    quantized and dequantized the same way while it selects from the exact keys (nosa.hf.host_kv_dtype).
-    The prompts are chunked (128 tokens), so the exact keys of chunk boundaries are exercised. Both
-    other references are told apart on these prompts: the HF model in full precision (the pool's
-    dtype changes some replies), and one that also selects from the round-tripped keys (fp8)."""
+    quantized and dequantized the same way while it selects from the exact keys (nosa.hf.host_kv_dtype;
+    int8 with the checkpoint's key factors, as the server loads them). The prompts are chunked (128
+    tokens), so the exact keys of chunk boundaries are exercised. The other references are told apart
+    on these prompts: the HF model in full precision (the pool's dtype changes some replies), and
+    int8 without the key factors (a server that ignored them)."""
     from nosa.hf import host_kv_dtype
 
     model = nosa.from_pretrained(tiny_nosa_checkpoint)
-    differs = 0
-    for name, fmt in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+    factors = kv_calibrate.load_key_factors(factored_checkpoint)
+    differs, unfactored = 0, 0
+    for name, fmt, kf in (("int8", torch.int8, factors), ("fp8", torch.float8_e4m3fn, None)):
         for length, seed in [*LONG, (700, 5)]:
             prompt = tiny.prompt_ids(length, seed)
-            with host_kv_dtype(model, fmt):
+            with host_kv_dtype(model, fmt, kf):
                 want = tiny.hf_greedy(model, prompt, NEW)
             got = servers[name].generate(prompt, NEW)
             assert got == want, (name, length)
             differs += got != tiny.hf_greedy(model, prompt, NEW)
+            if kf is not None:
+                with host_kv_dtype(model, fmt):
+                    unfactored += got != tiny.hf_greedy(model, prompt, NEW)
     assert differs, "no reply changed with the pool's dtype: the test cannot tell the formats apart"
+    assert unfactored, "no int8 reply changed with the key factors: the test cannot tell them apart"
 
 
 def _scrape(server) -> dict[str, float]:

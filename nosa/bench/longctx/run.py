@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import nosa
-from nosa import kvquant
+from nosa import kv_calibrate, kvquant
 from nosa.bench.longctx.config import PICKS, WINDOWS, windows_tag
 from nosa.bench.longctx.suites import make_suite
 from nosa.bench.longctx.summary import summarise
@@ -46,15 +46,24 @@ def load_variants(args):
     tag = {None: "", torch.int8: ", int8 host KV", torch.float8_e4m3fn: ", fp8 host KV"}
     windows = getattr(args, "windows", WINDOWS)
     layout = windows_tag(windows)  # other layouts, other names
-    variants += [Variant(f"A = 0, 1/{s}{layout}{tag[d]}", dense, s, "dense", host_dtype=d, windows=windows)
+
+    def factors(path, d):  # an int8 pool's key factors, as a server loads them from the checkpoint
+        return kv_calibrate.load_key_factors(path) if d == torch.int8 else None
+
+    def named(d, path):
+        return tag[d] + (", key factors" if factors(path, d) is not None else "")
+
+    variants += [Variant(f"A = 0, 1/{s}{layout}{named(d, args.model)}", dense, s, "dense", host_dtype=d,
+                         key_factors=factors(args.model, d), windows=windows)
                  for s in args.shares if args.a0 for d in host]
     for spec in args.nosa or []:
         label, _, path = spec.rpartition("=")
         label = label or os.path.basename(os.path.normpath(path))
         model = nosa.from_pretrained(path).eval()
         base = "dense" if same_base(model, dense) else label
-        variants += [Variant(f"{label}, 1/{s}" + (f", picks {p}" if args.picks != [PICKS] else "") + layout + tag[d],
-                             model, s, base, p, host_dtype=d, windows=windows)
+        variants += [Variant(f"{label}, 1/{s}" + (f", picks {p}" if args.picks != [PICKS] else "") + layout
+                             + named(d, path), model, s, base, p, host_dtype=d, key_factors=factors(path, d),
+                             windows=windows)
                      for s in args.shares for p in args.picks for d in host]
     for spec in getattr(args, "dense_ckpt", []):
         label, _, path = spec.rpartition("=")

@@ -21,6 +21,7 @@ from nosa import nosa_prefill
 from nosa.bench.longctx.config import PICKS, WINDOWS, budget_config
 from nosa.eviction import MODULE_NAME
 from nosa.hf import capture_attention_inputs, nosa_attention_modules
+from nosa.kvquant import KEY_FACTORS_FILE
 from nosa.select import blocks_entering
 from nosa.train.metrics import selection_mass
 
@@ -35,6 +36,7 @@ class Variant:
     base: str  # variants with one base share the dense context prefill
     picks: Fraction = PICKS  # share of the budget for free query-aware picks
     host_dtype: torch.dtype | None = None  # NOSA_HOST_KV_DTYPE's quantized pool (nosa.hf.host_kv_dtype)
+    key_factors: dict | None = None  # its int8 keys' factors by layer (nosa.kv_calibrate.load_key_factors)
     windows: tuple[int, int] = WINDOWS  # the compressed windows' (kernel, stride) in tokens
 
     def config(self, length: int):
@@ -51,17 +53,19 @@ class Variant:
         for _, module in nosa_attention_modules(self.model):  # attention over K / V as the host pool returns them
             module.__dict__.pop("_nosa_states", None)
             if self.host_dtype is None:
-                module.__dict__.pop("_nosa_host_kv_dtype", None)
+                module.__dict__.pop("_nosa_host_kv", None)
             else:
-                module._nosa_host_kv_dtype = self.host_dtype
+                factor = None if self.key_factors is None else self.key_factors[module.layer_idx]
+                module._nosa_host_kv = (self.host_dtype, factor)
         return cfg  # (every run starts with a prefill of several rows, which drops old decode states)
 
 
 def file_digest(folder: str) -> str:
-    """sha256 over a checkpoint's config.json and weight files: the key of its cached results."""
+    """sha256 over a checkpoint's config.json and weight files (not its host KV key factors, which
+    no dense result reads): the key of its cached results."""
     digest = hashlib.sha256()
     for name in sorted(os.listdir(folder)):
-        if name == "config.json" or name.endswith(".safetensors"):
+        if name == "config.json" or (name.endswith(".safetensors") and name != KEY_FACTORS_FILE):
             with open(os.path.join(folder, name), "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 22), b""):
                     digest.update(chunk)
