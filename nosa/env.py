@@ -81,7 +81,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("NOSA_HOST_KV_DTYPE", "auto",
            "How the host pool stores K and V with offloading: `auto` (the model's dtype), `int8` or "
            "`float8_e4m3fn` (one byte per element plus a float32 scale per token and KV head, dequantized into "
-           "the device cache on recall; nosa.kvquant). The eviction scores and the selection stay exact.",
+           "the device cache on recall; nosa.kvquant; int8 keys divided first by the checkpoint's key factors, "
+           "python -m nosa.kv_calibrate). The eviction scores and the selection stay exact.",
            _SERVE_SETTINGS, ("auto", "bfloat16", "float16", "float32", "int8", "float8_e4m3fn")),
     EnvVar("NOSA_ADMISSION", "0",
            "`1` turns on I/O-adaptive admission: a request owns topk_blocks slots, extra slots are lent from idle "

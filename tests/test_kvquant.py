@@ -177,8 +177,16 @@ def spec(dst, src, dst_idx, src_idx):
     return out
 
 
+def _operator(dst, src, dst_idx, src_idx):
+    """The operator a compiled decode step records (torch.ops.nosa.copy_items_dequant), called directly."""
+    none = torch.empty(0)
+    factors = [none if getattr(s, "factor", None) is None else s.factor for s in src]
+    torch.ops.nosa.copy_items_dequant(dst, [getattr(s, "data", s) for s in src],
+                                      [getattr(s, "scale", none) for s in src], factors, dst_idx, src_idx)
+
+
 IMPLS = {"reference": copy_items_dequant_reference, "triton": copy_items_dequant_triton, "ops": ops.copy_items,
-         "cpu_kernel": resolve_cpu.copy_items_dequant}
+         "cpu_kernel": resolve_cpu.copy_items_dequant, "operator": _operator}
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
@@ -241,8 +249,8 @@ def test_recall_dequantizes_from_pinned_host_memory(fmt):
         assert torch.equal(got.cpu(), w)
 
 
-@pytest.mark.parametrize("fmt", [torch.int8, torch.float8_e4m3fn])
-def test_the_pools_dtype_changes_no_selected_block(fmt):
+@pytest.mark.parametrize("fmt,factored", [(torch.int8, False), (torch.int8, True), (torch.float8_e4m3fn, False)])
+def test_the_pools_dtype_changes_no_selected_block(fmt, factored):
     """The serving decode step (nosa.bench.decode_harness, offloading on) with a quantized host pool
     against the model-dtype pool, same inputs: every step selects the same blocks in every layer and
     row (the compressed keys and eviction scores stay exact), while the outputs differ by the recalled
@@ -252,7 +260,9 @@ def test_the_pools_dtype_changes_no_selected_block(fmt):
 
     cfg = NosaConfig(block_size=16, compress_kernel=8, compress_stride=4, sink_blocks=1, window_blocks=3,
                      topk_blocks=8, query_blocks=3, dense_len=64)
-    exact, quantized = (DecodeHarness(cfg, [40, 150, 203], offload=True, seed=1, host_kv_dtype=d) for d in (None, fmt))
+    factors = [key_like_factors(2, 16, seed=layer) for layer in range(2)] if factored else None
+    exact = DecodeHarness(cfg, [40, 150, 203], offload=True, seed=1)
+    quantized = DecodeHarness(cfg, [40, 150, 203], offload=True, seed=1, host_kv_dtype=fmt, key_factors=factors)
     differ = 0.0
     for step in range(30):
         q, k, v = exact.new_tokens(step)

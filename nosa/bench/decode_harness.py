@@ -65,14 +65,19 @@ class _HostPool:
     """The page-major host pool of nosa.serve.offload.host_pool.HostKVPool: K, V [P, Hkv, B, D] and
     cis [P, Hkv, B] per layer (pinned on CUDA); item ``page * Hkv + h``."""
 
-    def __init__(self, k, v, cis, page_size: int, kv_dtype: torch.dtype | None = None):
-        """``kv_dtype``: a quantized pool's K/V dtype (NOSA_HOST_KV_DTYPE), K and V given in the model's."""
+    def __init__(self, k, v, cis, page_size: int, kv_dtype: torch.dtype | None = None,
+                 key_factors: list[torch.Tensor] | None = None):
+        """``kv_dtype``: a quantized pool's K/V dtype (NOSA_HOST_KV_DTYPE), K and V given in the model's;
+        ``key_factors``: an int8 pool's key factors [Hkv, D] per layer (HostKVPool.set_key_factors)."""
         self.page_size, self.head_num, self.cis_buffer = page_size, k[0].shape[1], cis
         self.k_scale = self.v_scale = None
+        self.key_factors = key_factors
         model_dtype = k[0].dtype
         if kv_dtype is not None:  # quantized as HostKVPool.set_kv_buffer writes them: per token and head
             pinned = k[0].is_pinned()
-            pairs = [[kvquant.quantize(t, kv_dtype) for t in ts] for ts in (k, v)]
+            kf = key_factors or [None] * len(k)  # K pages [P, Hkv, B, D]: a head's factors over its tokens
+            pairs = [[kvquant.quantize(t, kv_dtype, factor=None if f is None else f[:, None, :])
+                      for t, f in zip(k, kf)], [kvquant.quantize(t, kv_dtype) for t in v]]
             pin = (lambda t: t.pin_memory()) if pinned else (lambda t: t)
             (k, self.k_scale), (v, self.v_scale) = ([[pin(p[j]) for p in ps] for j in (0, 1)] for ps in pairs)
         self.k_buffer, self.v_buffer = k, v
@@ -80,7 +85,8 @@ class _HostPool:
         for layer in range(len(k)):
             ki, vi = k[layer].flatten(0, 1), v[layer].flatten(0, 1)
             if kv_dtype is not None:
-                ki = QuantizedItems(ki, self.k_scale[layer].flatten(0, 1), model_dtype)
+                factor = None if key_factors is None else key_factors[layer]
+                ki = QuantizedItems(ki, self.k_scale[layer].flatten(0, 1), model_dtype, factor)
                 vi = QuantizedItems(vi, self.v_scale[layer].flatten(0, 1), model_dtype)
             self._items.append((ki, vi, cis[layer].flatten(0, 1)))
         self.quantized = kv_dtype is not None
@@ -93,7 +99,8 @@ class _HostPool:
 class DecodeHarness:
     def __init__(self, cfg: NosaConfig, lengths: list[int], offload: bool = False, device="cpu", num_layers: int = 2,
                  hq: int = 4, hkv: int = 2, head_dim: int = 16, new_tokens: int = 64, seed: int = 0,
-                 host_kv_dtype: torch.dtype | None = None, max_context: int | None = None):
+                 host_kv_dtype: torch.dtype | None = None, max_context: int | None = None,
+                 key_factors: list[torch.Tensor] | None = None):
         self.cfg, self.device, self.num_layers, self.offload = cfg, torch.device(device), num_layers, offload
         self.hq, self.hkv, self.d, self.seed = hq, hkv, head_dim, seed
         self.lengths = list(lengths)  # prompt lengths; each step adds one token
@@ -132,7 +139,7 @@ class DecodeHarness:
                 return x.pin_memory() if self.device.type == "cuda" else x
 
             self.pool = _HostPool([host(k) for k in prompt_k], [host(v) for v in prompt_v],
-                                  [host(c.cpu()) for c in prompt_cis], block, host_kv_dtype)
+                                  [host(c.cpu()) for c in prompt_cis], block, host_kv_dtype, key_factors)
             cache = DeviceBlockCache(num_layers, rows - 1, hkv, cfg.topk_blocks, block, head_dim, head_dim,
                                      torch.float32, self.device)
             runner = SimpleNamespace(token_to_kv_pool=self.pool, req_to_token_pool=SimpleNamespace(

@@ -14,7 +14,9 @@ import torch
 
 from nosa import ops
 from nosa.bench.results import write_result
-from nosa.kvquant import QuantizedItems, dequantize, quantize
+from nosa.kvquant import QuantizedItems, dequantize, key_factors, quantize
+
+HKV = 8  # KV heads of the host pool's items (Llama-3-8B's), for the int8 keys' factors
 
 
 def timed(fn, repeats: int, cuda: bool) -> float:
@@ -100,8 +102,9 @@ def case(items: int, host_items: int, slots: int, block: int, d: int, dtype, cud
 
 def dtype_case(items: int, host_items: int, slots: int, block: int, d: int, cuda: bool, repeats: int, g) -> dict:
     """The batched recall of ``items`` items from a host pool in bf16, int8 and fp8 (nosa.kvquant:
-    K and V quantized with per-token scales, cis float32), side by side: seconds, bytes over the link
-    (data, scales and cis), and whether the dequantized result equals the spec."""
+    K and V quantized with per-token scales, int8 keys divided by key factors first, cis float32), side
+    by side: seconds, bytes over the link (data, scales and cis), and whether the dequantized result
+    equals the spec."""
     dev = "cuda" if cuda else "cpu"
     pin = (lambda t: t.pin_memory()) if cuda else (lambda t: t)
     k, v = (torch.randn(host_items, block, d, generator=g).bfloat16() for _ in range(2))
@@ -116,9 +119,15 @@ def dtype_case(items: int, host_items: int, slots: int, block: int, d: int, cuda
             src = [pin(k), pin(v), cis]
             want = [k[src_idx.cpu()], v[src_idx.cpu()]]
         else:
-            quantized = [quantize(t, fmt) for t in (k, v)]
-            src = [QuantizedItems(pin(q), pin(s), torch.bfloat16) for q, s in quantized] + [cis]
-            want = [dequantize(q[src_idx.cpu()], s[src_idx.cpu()], torch.bfloat16) for q, s in quantized]
+            # int8 keys with key factors as a calibrated checkpoint's pool holds them (item m: KV head m % HKV)
+            factor = key_factors(torch.rand(HKV, d, generator=g) * 8 + 0.5) if fmt == torch.int8 else None
+            item_factor = [None if factor is None else factor[torch.arange(host_items) % HKV, None], None]
+            quantized = [quantize(t, fmt, factor=f) for t, f in zip((k, v), item_factor)]
+            factors = [None if factor is None else factor.to(dev), None]
+            src = [QuantizedItems(pin(q), pin(s), torch.bfloat16, f) for (q, s), f in zip(quantized, factors)] + [cis]
+            picked = src_idx.cpu()
+            want = [dequantize(q[picked], s[picked], torch.bfloat16, None if f is None else f[picked])
+                    for (q, s), f in zip(quantized, item_factor)]
         per_item = sum(getattr(t, "item_bytes", lambda t=t: t[0].numel() * t.element_size())() for t in src)
         ops.copy_items(dst, src, dst_idx, src_idx)
         row[f"{name}_matches_spec"] = all(torch.equal(a[dst_idx].cpu(), w) for a, w in zip(dst, want))

@@ -152,6 +152,10 @@ def run(args) -> None:
     if ckpt is None:
         ckpt = os.path.join(work, "tiny-llama")
         make_bench_checkpoint(ckpt, args.evict_scale)
+        if any(v.endswith("+int8") for v in args.backends):  # int8 keys as a calibrated checkpoint serves them
+            from nosa.kv_calibrate import calibrate  # optional: transformers, the train extra's prose
+
+            calibrate(ckpt, progress=False)
     checkpoints = [("main", ckpt)] + [tuple(c.split("=", 1)) for c in args.compare]
     if args.share:
         share_cfg = budget_config(max(args.contexts), args.share, args.picks)

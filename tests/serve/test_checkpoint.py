@@ -86,3 +86,41 @@ def test_dense_checkpoint_config_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("NOSA_CONFIG", '{"topk_blocks": 0}')
     with pytest.raises(ValueError, match="malformed \\$NOSA_CONFIG"):
         load_nosa_config(str(tmp_path))
+
+
+class _Pool:
+    """What install_key_factors reads of a host pool (serve/offload/host_pool.HostKVPool), recording the
+    factors it is given."""
+
+    def __init__(self, kv_dtype, head_dim=4):
+        self.kv_dtype, self.head_dim, self.installed = kv_dtype, head_dim, None
+
+    def set_key_factors(self, factors):
+        self.installed = factors
+
+
+def test_install_key_factors_takes_this_ranks_heads(tmp_path, caplog):
+    """An int8 pool gets the checkpoint's key factors for its rank's heads (SGLang's padding heads:
+    ones); no file: a warning naming the command, nothing installed; a file that does not fit the
+    model: an error naming the file; other pools: nothing read."""
+    pytest.importorskip("sglang")
+    from nosa import kv_calibrate, kvquant
+    from nosa.serve.offload.host_pool import install_key_factors
+
+    layers = [0, 2]
+    shard = KVHeadShard(total=4, real=3, rank=1, size=2)  # rank 1 holds heads 2 and 3 (3 is padding)
+    pool = _Pool(torch.int8)
+    with caplog.at_level("WARNING"):
+        assert "none in the checkpoint" in install_key_factors(pool, str(tmp_path), layers, shard)
+    assert pool.installed is None and "python -m nosa.kv_calibrate" in caplog.text
+    factors = {layer: kvquant.key_factors(torch.rand(3, 4) + 0.1 * layer) for layer in (0, 1, 2)}
+    kv_calibrate.save_key_factors(str(tmp_path), factors, {})
+    assert "key factors" in install_key_factors(pool, str(tmp_path), layers, shard)
+    assert len(pool.installed) == 2
+    for table, layer in zip(pool.installed, layers):
+        assert torch.equal(table, torch.stack([factors[layer][2], torch.ones(4)]))
+    other = _Pool(torch.float8_e4m3fn)
+    assert "not an int8" in install_key_factors(other, str(tmp_path), layers, shard) and other.installed is None
+    kv_calibrate.save_key_factors(str(tmp_path), {0: factors[0]}, {})
+    with pytest.raises(ValueError, match=r"layer 2 needs key factors \[3, 4\], found none"):
+        install_key_factors(pool, str(tmp_path), layers, shard)
