@@ -63,12 +63,14 @@ def test_non_finite_kv_is_rejected_with_a_clear_error(bad):
 
 def test_a_filling_block_roundtrips_as_the_complete_block_will():
     """Tokens are quantized one by one as they are written: the first n tokens of a block read back
-    the same before and after the rest of the block arrives (scales are per token, never revised)."""
+    the same before and after the rest of the block arrives (scales are per token, never revised;
+    int8 keys' factors are the checkpoint's, not the block's)."""
     block = torch.randn(64, 2, 32) * torch.linspace(0.1, 50, 64)[:, None, None]  # later tokens are larger
-    for fmt in FORMATS:
-        q_all, s_all = quantize(block, fmt)
+    factor = key_like_factors(2, 32)  # int8 keys' factors are fixed before any token is written
+    for fmt, f in [(fmt, None) for fmt in FORMATS] + [(torch.int8, factor)]:
+        q_all, s_all = quantize(block, fmt, factor=f)
         for n in (1, 17, 63):
-            q_n, s_n = quantize(block[:n], fmt)
+            q_n, s_n = quantize(block[:n], fmt, factor=f)
             assert torch.equal(q_n.view(torch.uint8), q_all[:n].view(torch.uint8)) and torch.equal(s_n, s_all[:n])
 
 

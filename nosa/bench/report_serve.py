@@ -280,7 +280,9 @@ def serve_host_kv(root: Path) -> str:
     return (table(["host KV dtype", "on / off by round", "median on / off (CPU time)", "rounds >= 0.9", "hit rate",
                    "KB recalled per layer and decode step"], rows)
             + f"\n\n{data['model']}, {int(context) // 1024}K tokens, batch {data['results'][0]['batch']}; "
-            "offloading with the recall scheduler, against nosa with offloading off, paired rounds.")
+            "offloading with the recall scheduler, against nosa with offloading off, paired rounds"
+            + ("; int8 keys with the checkpoint's key factors (python -m nosa.kv_calibrate)."
+               if data.get("key_factors") else "."))
 
 
 @renders("results/select_kernel.json")

@@ -23,6 +23,7 @@ from nosa.bench.server.process import ServerProcess, cpu_binding, stop_all
 from nosa.bench.server.stats import counters
 from nosa.bench.tiny_checkpoint import make_bench_checkpoint
 from nosa.config import NosaConfig
+from nosa.kvquant import KEY_FACTORS_FILE
 from nosa.serve.checkpoint import load_nosa_config
 from nosa.train.ruler import TASKS
 
@@ -244,6 +245,7 @@ def run(args) -> None:
               "checkpoints": dict(checkpoints), "prompts": args.prompts,
               "nosa_config": cfg.to_dict(), "evict_scale": None if args.checkpoint else args.evict_scale,
               "device": "cpu", "threads": args.threads,
+              "key_factors": os.path.isfile(os.path.join(ckpt, KEY_FACTORS_FILE)),  # what int8 keys were served with
               "variants": {v: VARIANTS[v] for v in args.backends},
               "results": results}
     by_round = [ratios([r for r in main_rows if r["round"] == k], args.contexts, args.tp_sizes)
