@@ -167,8 +167,9 @@ def host_kv_row(data: dict, served: dict, formats: dict) -> list[str]:
     ratio = kvquant.bytes_per_token(64, 64, torch.int8) / kvquant.bytes_per_token(64, 64, torch.bfloat16)
     onoff = [paired_speed(served, f"offload_sched{k}_over_nosa")["median"] for k in ("", "_int8", "_fp8")]
     context = served["results"][0]["context"] // 1024
-    return [f"SmolLM2 on RULER at {n // 1024}K, A = 0 at 1/4, the host KV pool in the model's dtype / int8 / fp8 "
-            "(NOSA_HOST_KV_DTYPE): score; KL to the exact next-token distribution on held-out prose, int8 / fp8; "
+    int8 = "int8 with key factors" if factored in score and formats.get("key_factors") else "int8"
+    return [f"SmolLM2 on RULER at {n // 1024}K, A = 0 at 1/4, the host KV pool in the model's dtype / {int8} / fp8 "
+            f"(NOSA_HOST_KV_DTYPE): score; KL to the exact next-token distribution on held-out prose, {int8} / fp8; "
             "host bytes per token against a bf16 pool's; decode speed with offloading "
             f"on over off, same dtypes (tiny model served at {context}K, median of paired rounds)",
             " / ".join(f"{100 * score[v]:.1f}" for v in names) + f"; {kl['int8']:.4f} / {kl['float8_e4m3fn']:.4f}; "
