@@ -50,7 +50,6 @@ class OffloadEngine:
     @classmethod
     def start(cls, model_runner, cfg, num_layers: int, num_kv_heads: int, head_dim: int) -> "OffloadEngine":
         """Validate the settings, check that the host pool hooks took effect, build the parts."""
-        from nosa.checkpoint_format import nosa_layers  # optional: server start-up only
         from nosa.serve.checkpoint import resolve_model_dir  # optional: server start-up only
         from nosa.serve.offload import host_pool  # optional: sglang (the decode harness builds engines without it)
         from nosa.serve.parallel import KVHeadShard  # optional: server start-up only
@@ -66,8 +65,9 @@ class OffloadEngine:
         host_pool.verify(model_runner, settings, cfg)
         pool = model_runner.token_to_kv_pool
         text_config = model_runner.model_config.hf_text_config
+        layers = sorted(pool.nosa_index, key=pool.nosa_index.get)  # the NOSA layers this pool holds, in its order
         factors = host_pool.install_key_factors(
-            pool, resolve_model_dir(model_runner.model_config.model_path), nosa_layers(text_config),
+            pool, resolve_model_dir(model_runner.model_config.model_path), layers,
             KVHeadShard.of_process(text_config, model_runner.server_args))
         logger.info("nosa offloading: host KV %s, %s", getattr(pool, "kv_dtype", None), factors)
         scheduler = None
