@@ -21,12 +21,17 @@ from safetensors.torch import load_file, save_file
 from nosa import kvquant
 
 
+def _is_factor_table(f: torch.Tensor) -> bool:
+    """Whether ``f`` is a key factor table: [Hkv, D], every factor finite and positive."""
+    return f.dim() == 2 and bool(torch.isfinite(f).all()) and bool((f > 0).all())
+
+
 def save_key_factors(model_dir: str, factors: dict[int, torch.Tensor], metadata: dict[str, str]) -> str:
     """Write ``factors`` ({layer index: [Hkv, D] float32}) into ``model_dir``/kvquant.KEY_FACTORS_FILE
     atomically (a temporary file, then a rename: a stopped calibration leaves the old file or none).
     Returns the path."""
     for layer, f in factors.items():
-        if f.dim() != 2 or not bool(torch.isfinite(f).all()) or not bool((f > 0).all()):
+        if not _is_factor_table(f):
             raise ValueError(f"save_key_factors: layer {layer}: expected finite positive [Hkv, D] factors, "
                              f"got shape {tuple(f.shape)}")
     path = os.path.join(model_dir, kvquant.KEY_FACTORS_FILE)
@@ -47,7 +52,7 @@ def load_key_factors(model_dir: str) -> dict[int, torch.Tensor] | None:
         parts = key.split(".")
         if len(parts) != 3 or parts[0] != "layers" or parts[2] != "k" or not parts[1].isdigit():
             raise ValueError(f"{path}: unexpected tensor {key!r} (expected layers.<i>.k)")
-        if f.dim() != 2 or not bool(torch.isfinite(f).all()) or not bool((f > 0).all()):
+        if not _is_factor_table(f):
             raise ValueError(f"{path}: {key} must be finite positive factors [Hkv, D], got shape {tuple(f.shape)}")
         out[int(parts[1])] = f.float()
     return out

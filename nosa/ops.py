@@ -69,7 +69,7 @@ def copy_items(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], dst_idx
         if torch.compiler.is_compiling():
             torch.ops.nosa.copy_items_dequant(list(dst), [getattr(t, "data", t) for t in src],
                                               [getattr(t, "scale", _NO_SCALE) for t in src],
-                                              [_factor_or_none(t) for t in src], dst_idx, src_idx)
+                                              [_factor_arg(t) for t in src], dst_idx, src_idx)
         else:
             _copy_items_dequant(dst, src, dst_idx, src_idx)
     elif torch.compiler.is_compiling():
@@ -127,7 +127,8 @@ def _(dst, src, dst_idx, src_idx) -> None:
 _NO_SCALE = torch.empty(0)  # the operator's scale (factor) of a pair copied as it is (without factors)
 
 
-def _factor_or_none(src) -> torch.Tensor:
+def _factor_arg(src) -> torch.Tensor:
+    """The operator's factor argument of a source: its key factors, or _NO_SCALE."""
     factor = getattr(src, "factor", None)
     return _NO_SCALE if factor is None else factor
 

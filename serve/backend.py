@@ -97,7 +97,7 @@ class NosaAttnBackend(AttentionBackend):
         self.offload = None
         if offload_enabled():
             self.offload = OffloadEngine.start(model_runner, self.config, self.num_layers, self.num_kv_heads,
-                                               self.head_dim)
+                                               self.head_dim, model_dir, self.shard)
             self.states.attach_offload(self.offload)
             self.states.metrics = self.offload.metrics = metrics.start(model_runner, self.num_layers)
             allocator = model_runner.token_to_kv_pool_allocator

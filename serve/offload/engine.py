@@ -48,11 +48,12 @@ class OffloadEngine:
         self._life: dict[int, list[int]] = {}  # group -> [blocks selected, recalled on demand] (with metrics)
 
     @classmethod
-    def start(cls, model_runner, cfg, num_layers: int, num_kv_heads: int, head_dim: int) -> "OffloadEngine":
-        """Validate the settings, check that the host pool hooks took effect, build the parts."""
-        from nosa.serve.checkpoint import resolve_model_dir  # optional: server start-up only
+    def start(cls, model_runner, cfg, num_layers: int, num_kv_heads: int, head_dim: int, model_dir: str,
+              shard) -> "OffloadEngine":
+        """Validate the settings, check that the host pool hooks took effect, build the parts.
+        ``model_dir``: the checkpoint's folder (its key factors); ``shard``: this rank's KV heads
+        (nosa.serve.parallel.KVHeadShard)."""
         from nosa.serve.offload import host_pool  # optional: sglang (the decode harness builds engines without it)
-        from nosa.serve.parallel import KVHeadShard  # optional: server start-up only
 
         settings = OffloadSettings.from_env()
         settings.validate(cfg, model_runner.server_args.page_size)
@@ -64,11 +65,8 @@ class OffloadEngine:
                                  "other backends cannot read the host pool")
         host_pool.verify(model_runner, settings, cfg)
         pool = model_runner.token_to_kv_pool
-        text_config = model_runner.model_config.hf_text_config
         layers = sorted(pool.nosa_index, key=pool.nosa_index.get)  # the NOSA layers this pool holds, in its order
-        factors = host_pool.install_key_factors(
-            pool, resolve_model_dir(model_runner.model_config.model_path), layers,
-            KVHeadShard.of_process(text_config, model_runner.server_args))
+        factors = host_pool.install_key_factors(pool, model_dir, layers, shard)
         logger.info("nosa offloading: host KV %s, %s", getattr(pool, "kv_dtype", None), factors)
         scheduler = None
         if settings.schedule:

@@ -47,8 +47,14 @@ def load_variants(args):
     windows = getattr(args, "windows", WINDOWS)
     layout = windows_tag(windows)  # other layouts, other names
 
-    def factors(path, d):  # an int8 pool's key factors, as a server loads them from the checkpoint
-        return kv_calibrate.load_key_factors(path) if d == torch.int8 else None
+    loaded: dict[str, dict | None] = {}
+
+    def factors(path, d):  # an int8 pool's key factors, as a server loads them from the checkpoint (read once)
+        if d != torch.int8:
+            return None
+        if path not in loaded:
+            loaded[path] = kv_calibrate.load_key_factors(path)
+        return loaded[path]
 
     def named(d, path):
         return tag[d] + (", key factors" if factors(path, d) is not None else "")
